@@ -1,0 +1,1 @@
+"""areal_aio: asynchronous RL for language models on one machine."""

@@ -1,0 +1,313 @@
+"""Settings: one frozen dataclass per section of settings.toml, checked once at load.
+
+    settings.toml --tomllib--> dict --(--set a.b=v)--> dict --(mode presets)--> Settings
+
+Every field carries its documentation and its allowed values in the field's
+metadata, so `python -m areal_aio check` can print them and every error can
+name the key and what it accepts. Mode presets (sync / one_step / areal) are
+applied over the file's values; a value given with `--set` wins over a preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+MODES = ("sync", "one_step", "areal")
+OBJECTIVES = ("pg", "ppo", "decoupled_ppo")
+UNBOUNDED = -1
+"""`controller.max_staleness = -1` means no staleness bound (the ablation's 'unbounded')."""
+
+
+class SettingsError(ValueError):
+    """A settings file or override that cannot be used; the message names the key."""
+
+
+def opt(default: Any, doc: str, *, choices: tuple | None = None, ge: float | None = None,
+        le: float | None = None, gt: float | None = None) -> Any:
+    """A settings field: its default, its documentation and its allowed values."""
+    meta = {"doc": doc, "choices": choices, "ge": ge, "le": le, "gt": gt}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    mode: str = opt("areal", "sync (eta 0, no interrupts) | one_step (eta 1) | areal (eta = controller.max_staleness, interrupts, decoupled PPO)", choices=MODES)
+    seed: int = opt(0, "Seed for task order, sampling and model init.", ge=0)
+    max_steps: int = opt(100, "Stop after this many trainer updates.", ge=1)
+    max_wall_s: float = opt(3600.0, "Stop after this many seconds of wall time (counted after both workers are ready).", gt=0)
+    threshold: float = opt(0.0, "Stop at the first eval whose pass rate is >= this; 0 disables (time_to_threshold_s is still recorded when reached).", ge=0, le=1)
+    out_dir: str = opt("runs", "Parent folder of run folders (one folder per run).")
+    name: str = opt("", "Run folder name; empty = <mode>-<timestamp>.")
+    progress: bool = opt(True, "Print a live progress line to stderr.")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    path: str = opt("embedded:smollm2-135m-instruct", "Local HF folder, hub id (where a hub is reachable), embedded:smollm2-135m-instruct or embedded:tiny-random.")
+    system_prompt: str = opt("", "System message placed before every prompt; empty keeps the chat template's own default.")
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSettings:
+    name: str = opt("arithmetic", "arithmetic (procedural, reasoning-gym basic_arithmetic) | jsonl (a file of {prompt, answer} rows).", choices=("arithmetic", "jsonl"))
+    path: str = opt("", "JSONL file for task.name = jsonl.")
+    terms: int = opt(2, "Arithmetic: terms per expression.", ge=2, le=6)
+    digits: int = opt(1, "Arithmetic: digits per term.", ge=1, le=4)
+    operators: list = opt(["+", "-"], "Arithmetic: operators to draw from, any of + - * /.")
+    eval_size: int = opt(64, "Held-out eval prompts (drawn with eval_seed, never trained on).", ge=1)
+    eval_seed: int = opt(10_000, "Seed of the held-out eval set; must differ from run.seed.", ge=0)
+    eval_every: int = opt(5, "Evaluate every this many trainer steps (and at step 0 and the end).", ge=1)
+    format_bonus: float = opt(0.2, "Extra reward for an <answer> tag, paid only when the answer is also correct.", ge=0)
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutSettings:
+    device: str = opt("cpu", "cpu | cuda | cuda:N")
+    threads: int = opt(1, "Torch intra-op threads of the rollout worker (give each worker its own cores).", ge=1)
+    group_size: int = opt(8, "Samples per prompt (a GRPO group); trainer.batch_size must be a multiple.", ge=1)
+    max_new_tokens: int = opt(64, "Generation stops at EOS or after this many tokens.", ge=1)
+    temperature: float = opt(0.7, "Sampling temperature for training rollouts (eval is greedy).", gt=0)
+    top_p: float = opt(1.0, "Nucleus sampling mass; 1.0 disables.", gt=0, le=1)
+    interrupt: bool = opt(True, "On new weights, stop at the next chunk, reload, rebuild the KV cache and continue (preset by run.mode).")
+    max_batch: int = opt(32, "Sequences decoded together (continuous-batching slots).", ge=1)
+    chunk_tokens: int = opt(8, "Decode steps between looks at the pipe (the interrupt granularity).", ge=1)
+    dtype: str = opt("float32", "float32 | bfloat16 weights for generation.", choices=("float32", "bfloat16"))
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerSettings:
+    device: str = opt("cpu", "cpu | cuda | cuda:N")
+    threads: int = opt(1, "Torch intra-op threads of the trainer worker.", ge=1)
+    batch_size: int = opt(32, "Samples per trainer step (B in the admission rule); a multiple of rollout.group_size.", ge=1)
+    objective: str = opt("decoupled_ppo", "pg | ppo | decoupled_ppo (preset to decoupled_ppo by run.mode = areal).", choices=OBJECTIVES)
+    lr: float = opt(1e-5, "AdamW learning rate.", gt=0)
+    weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
+    advantage: str = opt("grpo", "grpo (group mean and std) | drgrpo (group mean only) | batch (batch mean and std).", choices=("grpo", "drgrpo", "batch"))
+    clip_eps: float = opt(0.2, "PPO clip: ratio kept in [1 - clip_eps, 1 + clip_eps_high].", gt=0, le=1)
+    clip_eps_high: float = opt(0.28, "Upper PPO clip (decoupled clip-higher).", gt=0)
+    behav_cap: float = opt(5.0, "decoupled_ppo: cap on pi_prox / pi_behav per token.", gt=1)
+    cap_mode: str = opt("mask", "decoupled_ppo: tokens over behav_cap are masked out or clamped to the cap.", choices=("mask", "clamp"))
+    kl_coef: float = opt(0.0, "k3 KL penalty coefficient; 0 disables.", ge=0)
+    kl_ref: str = opt("behav", "KL against the behaviour log-probs or a frozen copy of the initial weights.", choices=("behav", "ref"))
+    minibatches: int = opt(1, "Optimizer steps per batch (the batch is split into this many).", ge=1)
+    micro_tokens: int = opt(4096, "Token cap of one micro-batch (dynamic batching); gradients accumulate across them.", ge=16)
+    grad_clip: float = opt(1.0, "Clip the gradient norm to this; 0 disables.", ge=0)
+    bf16: bool = opt(True, "bf16 autocast for forward/backward (fp32 master weights).")
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerSettings:
+    max_staleness: int = opt(4, "eta in areal mode; -1 = unbounded. sync forces 0, one_step forces 1.", ge=-1)
+    on_interrupt: str = opt("continue", "continue (finish under the new weights) | restart (resubmit from scratch, up to max_retries).", choices=("continue", "restart"))
+    max_retries: int = opt(2, "restart: resubmissions of one task before it is dropped.", ge=0)
+    reward_timeout_s: float = opt(10.0, "A reward taking longer scores 0 and is counted.", gt=0)
+    reward_procs: int = opt(1, "Processes of the reward pool (CPU-heavy scoring off the event loop); 0 scores in a thread.", ge=0)
+
+
+SECTIONS: dict[str, type] = {
+    "run": RunSettings,
+    "model": ModelSettings,
+    "task": TaskSettings,
+    "rollout": RolloutSettings,
+    "trainer": TrainerSettings,
+    "controller": ControllerSettings,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    run: RunSettings = field(default_factory=RunSettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    task: TaskSettings = field(default_factory=TaskSettings)
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
+    controller: ControllerSettings = field(default_factory=ControllerSettings)
+
+    def __post_init__(self) -> None:
+        if self.trainer.batch_size % self.rollout.group_size:
+            raise SettingsError(
+                f"trainer.batch_size ({self.trainer.batch_size}) must be a multiple of "
+                f"rollout.group_size ({self.rollout.group_size}): groups are trained whole")
+        if self.task.name == "jsonl" and not self.task.path:
+            raise SettingsError("task.path: required when task.name = 'jsonl'")
+        bad = [op for op in self.task.operators if op not in ("+", "-", "*", "/")]
+        if bad or not self.task.operators:
+            raise SettingsError(f"task.operators: {bad or '[]'} not allowed; use a non-empty list of + - * /")
+        if self.task.eval_seed == self.run.seed:
+            raise SettingsError("task.eval_seed: must differ from run.seed (the eval set is held out)")
+        for key, dev in (("rollout.device", self.rollout.device), ("trainer.device", self.trainer.device)):
+            if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+                raise SettingsError(f"{key}: {dev!r} not allowed; use cpu, cuda or cuda:N")
+
+    @property
+    def eta(self) -> float:
+        """The staleness bound in force: 0 for sync, 1 for one_step, max_staleness for areal."""
+        if self.run.mode == "sync":
+            return 0
+        if self.run.mode == "one_step":
+            return 1
+        return math.inf if self.controller.max_staleness == UNBOUNDED else self.controller.max_staleness
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.trainer.batch_size // self.rollout.group_size
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def to_toml(self) -> str:
+        """The resolved settings as TOML (written into every run folder)."""
+        out = [f"# resolved settings (mode presets and overrides applied); eta = {self.eta}"]
+        for name, values in self.to_dict().items():
+            out.append(f"\n[{name}]")
+            out.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+        return "\n".join(out) + "\n"
+
+
+def mode_presets(mode: str) -> dict[str, Any]:
+    """What a mode sets (DESIGN.md, Modes); eta is derived from the mode in `Settings.eta`."""
+    if mode == "areal":
+        return {"rollout.interrupt": True, "trainer.objective": "decoupled_ppo"}
+    return {"rollout.interrupt": False}
+
+
+def load_settings(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Settings:
+    """Read a settings file (None = all defaults), apply `section.key=value` overrides, check."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise SettingsError(f"settings file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"{path}: not valid TOML: {exc}") from None
+    return build_settings(raw, overrides)
+
+
+def build_settings(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Settings:
+    flat: dict[str, Any] = {}
+    for section, values in raw.items():
+        if section not in SECTIONS:
+            raise SettingsError(_unknown(section, list(SECTIONS), "section"))
+        if not isinstance(values, dict):
+            raise SettingsError(f"{section}: must be a table [{section}], got {values!r}")
+        for key, value in values.items():
+            flat[f"{section}.{key}"] = value
+    explicit = {}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise SettingsError(f"--set {item!r}: expected section.key=value")
+        explicit[key.strip()] = _parse_value(text.strip())
+    for key in explicit:
+        _check_key(key)
+    for key in flat:
+        _check_key(key)
+    flat.update(explicit)
+    mode = flat.get("run.mode", RunSettings().mode)
+    if mode in MODES:
+        for key, value in mode_presets(mode).items():
+            if key not in explicit:
+                flat[key] = value
+    sections: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        kwargs = {}
+        hints = get_type_hints(cls)
+        for f in fields(cls):
+            key = f"{name}.{f.name}"
+            if key in flat:
+                kwargs[f.name] = _coerce(key, flat[key], hints[f.name], f.metadata)
+        sections[name] = cls(**kwargs)
+    return Settings(**sections)
+
+
+def describe() -> str:
+    """Every key with its type, default and documentation."""
+    lines = []
+    for name, cls in SECTIONS.items():
+        lines.append(f"[{name}]")
+        for f in fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {f.name} = {_toml_value(default)}    # {f.metadata['doc']}")
+    return "\n".join(lines)
+
+
+def _check_key(key: str) -> None:
+    section, _, name = key.partition(".")
+    if section not in SECTIONS or not name:
+        raise SettingsError(_unknown(key, [f"{s}.{f.name}" for s, c in SECTIONS.items() for f in fields(c)], "key"))
+    names = [f.name for f in fields(SECTIONS[section])]
+    if name not in names:
+        raise SettingsError(_unknown(key, [f"{section}.{n}" for n in names], "key"))
+
+
+def _unknown(key: str, valid: list[str], what: str) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(valid)}"
+    return f"unknown settings {what} {key!r}{hint}"
+
+
+def _parse_value(text: str) -> Any:
+    """An override's value, read as a TOML value where it parses, else as a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _coerce(key: str, value: Any, kind: Any, meta: Any) -> Any:
+    kind_name = getattr(kind, "__name__", str(kind))
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise SettingsError(f"{key}: expected true or false, got {value!r}")
+    elif kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SettingsError(f"{key}: expected an integer{_range(meta)}, got {value!r}")
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SettingsError(f"{key}: expected a number{_range(meta)}, got {value!r}")
+        value = float(value)
+    elif kind is str:
+        if not isinstance(value, str):
+            raise SettingsError(f"{key}: expected a string, got {value!r}")
+    elif kind is list:
+        if not isinstance(value, list):
+            raise SettingsError(f"{key}: expected a list, got {value!r}")
+    else:  # pragma: no cover - only the kinds above are declared
+        raise SettingsError(f"{key}: unsupported type {kind_name}")
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise SettingsError(f"{key}: {value!r} not allowed; choose one of {', '.join(map(str, meta['choices']))}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if (meta["ge"] is not None and value < meta["ge"]) or (meta["le"] is not None and value > meta["le"]) \
+                or (meta["gt"] is not None and value <= meta["gt"]) or (isinstance(value, float) and math.isnan(value)):
+            raise SettingsError(f"{key}: {value!r} out of range; allowed{_range(meta)}")
+    return value
+
+
+def _range(meta: Any) -> str:
+    parts = []
+    if meta["gt"] is not None:
+        parts.append(f"> {meta['gt']}")
+    if meta["ge"] is not None:
+        parts.append(f">= {meta['ge']}")
+    if meta["le"] is not None:
+        parts.append(f"<= {meta['le']}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

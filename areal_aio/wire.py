@@ -1,0 +1,235 @@
+"""The wire: every message between the controller and its workers, and how it is framed.
+
+One frame = 4-byte big-endian length + an orjson object with a `type` field.
+Pipes carry control messages and token lists only; weights travel as files in
+/dev/shm and a message carries their path and `version`. Anything whose meaning
+depends on weights carries a version.
+
+    controller -> rollout : Init, Generate, Abort, UpdateWeights, Shutdown
+    rollout -> controller : Ready, Completion, WeightsLoaded, Error
+    controller -> trainer : Init, Train, Shutdown
+    trainer -> controller : Ready, Trained, Error
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import orjson
+
+HEADER = struct.Struct(">I")
+MAX_FRAME = 256 * 1024 * 1024
+"""Frames above this are a protocol error (weights never travel through a pipe)."""
+
+
+class WireError(RuntimeError):
+    """A malformed or unexpected frame; the pipe is no longer trustworthy."""
+
+
+@dataclass(frozen=True, slots=True)
+class Init:
+    """First message to a worker: what to load and where weights live."""
+
+    role: str  # "rollout" or "trainer"
+    settings: dict  # Settings.to_dict() of the run
+    shm_dir: str  # the run's private folder under /dev/shm (weight store)
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """A worker finished loading and takes requests."""
+
+    role: str
+    pid: int
+    load_s: float  # cold start: process start to model ready
+    device: str
+    version: int  # policy version of the weights it holds (0 = initial)
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    """Start one sequence. temperature 0 = greedy (eval)."""
+
+    request_id: str
+    prompt: str  # user message; the worker applies the chat template
+    max_new_tokens: int
+    temperature: float
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Drop a request; the worker answers with a Completion whose finish is 'abort'."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateWeights:
+    """Load v<version>.safetensors from `path`; sent only after the controller committed it."""
+
+    version: int
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsLoaded:
+    """The rollout worker now generates with `version`."""
+
+    version: int
+    load_s: float  # reading the file and copying it into the model
+    rebuilt: int  # unfinished sequences whose KV cache was recomputed (interrupted)
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One finished sequence. versions[i] is the policy version that sampled completion_ids[i]."""
+
+    request_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # log-prob of each token under the distribution it was sampled from
+    versions: list[int]
+    text: str
+    finish: str  # "stop" (EOS) | "length" | "abort"
+    interrupts: int  # weight loads this sequence lived through
+    gen_s: float  # admission to finish, seconds
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.versions, default=-1)
+
+    @property
+    def newest_version(self) -> int:
+        return max(self.versions, default=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSample:
+    """One trajectory as the trainer sees it (a Completion plus its reward and group)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # behaviour log-probs, one per completion token
+    versions: list[int]  # behaviour versions, one per completion token
+    reward: float
+    group: int  # samples of one prompt share a group (GRPO normalization)
+
+
+@dataclass(frozen=True, slots=True)
+class Train:
+    """Take one PPO-family update on these samples, then publish v<version+1>."""
+
+    step: int
+    version: int  # the controller's clock: the trainer's weights are this version
+    samples: list[TrainSample] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Trained:
+    """New weights are in the store; the controller commits `version` on receipt."""
+
+    step: int
+    version: int
+    path: str
+    stats: dict  # loss, entropy, clip_frac, ..., tokens, seconds (see workers/trainer.py)
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Finish what is in hand, release everything, exit 0."""
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """A worker failed; it exits after sending this."""
+
+    role: str
+    message: str
+    traceback: str
+
+
+Message = (Init | Ready | Generate | Abort | UpdateWeights | WeightsLoaded | Completion
+           | TrainSample | Train | Trained | Shutdown | Error)
+TYPES: dict[str, type] = {cls.__name__: cls for cls in (
+    Init, Ready, Generate, Abort, UpdateWeights, WeightsLoaded, Completion, Train, Trained,
+    Shutdown, Error)}
+
+
+def encode(msg: Any) -> bytes:
+    """A message as one frame (header + body)."""
+    name = type(msg).__name__
+    if name not in TYPES:
+        raise WireError(f"not a wire message: {msg!r}")
+    body = {"type": name}
+    for key in msg.__slots__:
+        body[key] = getattr(msg, key)
+    data = orjson.dumps(body)
+    return HEADER.pack(len(data)) + data
+
+
+def decode(data: bytes) -> Any:
+    """A frame body back into its message."""
+    try:
+        body = orjson.loads(data)
+        cls = TYPES[body.pop("type")]
+        if cls is Train:
+            body["samples"] = [TrainSample(**s) for s in body["samples"]]
+        return cls(**body)
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise WireError(f"malformed frame ({exc}): {data[:200]!r}") from None
+
+
+def _length(header: bytes) -> int:
+    (n,) = HEADER.unpack(header)
+    if n > MAX_FRAME:
+        raise WireError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+    return n
+
+
+def write_message(stream: IO[bytes], msg: Any) -> None:
+    """Blocking write of one message (worker side)."""
+    stream.write(encode(msg))
+    stream.flush()
+
+
+def read_message(stream: IO[bytes]) -> Any | None:
+    """Blocking read of one message; None at a clean end of stream (worker side)."""
+    header = _read_exactly(stream, HEADER.size)
+    if header is None:
+        return None
+    body = _read_exactly(stream, _length(header))
+    if body is None:
+        raise WireError("stream ended inside a frame")
+    return decode(body)
+
+
+def _read_exactly(stream: IO[bytes], n: int) -> bytes | None:
+    chunks, got = [], 0
+    while got < n:
+        chunk = stream.read(n - got)
+        if not chunk:
+            if got:
+                raise WireError("stream ended inside a frame")
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+async def read_message_async(reader: asyncio.StreamReader) -> Any | None:
+    """Read one message from an asyncio stream; None at a clean end of stream."""
+    try:
+        header = await reader.readexactly(HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise WireError("stream ended inside a frame") from None
+        return None
+    try:
+        body = await reader.readexactly(_length(header))
+    except asyncio.IncompleteReadError:
+        raise WireError("stream ended inside a frame") from None
+    return decode(body)

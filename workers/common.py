@@ -1,0 +1,127 @@
+"""What both worker processes share: the pipe, the process rules, the error path.
+
+A worker is started by the controller as `python -m workers.<role>` (a fresh
+interpreter: spawn, never fork after CUDA) with stdin/stdout as its pipe.
+
+    fd 0 (stdin)  <- frames from the controller, read by a reader thread into a queue
+    fd 1 (stdout) -> frames to the controller; at start the original fd 1 is
+                     duplicated for frames and fd 1 itself is pointed at stderr,
+                     so a stray print (Python or C) can never corrupt the pipe
+    fd 2 (stderr) -> the worker's log (the controller sends it to a file)
+
+`serve(role, Worker)` reads Init, builds the worker, sends Ready, and hands
+every later message to the worker. Any exception becomes an Error frame with
+the traceback, then exit 1. End of stdin (controller gone) ends the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Protocol
+
+from areal_aio import wire
+
+EOF = object()
+"""Put on the inbox when the controller's end of the pipe closes."""
+
+
+class Channel:
+    """The worker's end of the pipe: a reader thread fills `inbox`; `send` writes frames."""
+
+    def __init__(self, fd_in: int = 0, fd_out: int = 1) -> None:
+        out = os.dup(fd_out)
+        os.dup2(2, fd_out)  # from here on, anything printed goes to stderr, not the pipe
+        sys.stdout = sys.stderr
+        self._out = os.fdopen(out, "wb", buffering=0)
+        self._in = os.fdopen(fd_in, "rb", buffering=0)
+        self._lock = threading.Lock()
+        self.inbox: queue.Queue[Any] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, name="pipe-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            while (msg := wire.read_message(self._in)) is not None:
+                self.inbox.put(msg)
+        except Exception as exc:  # noqa: BLE001 - handed to the main thread
+            self.inbox.put(exc)
+        self.inbox.put(EOF)
+
+    def recv(self, timeout: float | None = None) -> Any:
+        """Next message (blocking), None on timeout, EOF when the pipe closed."""
+        try:
+            item = self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def poll(self) -> Any:
+        """Next message if one is waiting, else None (never blocks)."""
+        try:
+            item = self.inbox.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def send(self, msg: Any) -> None:
+        data = wire.encode(msg)
+        with self._lock:
+            self._out.write(data)
+
+
+class Worker(Protocol):
+    """What `serve` drives. `run` owns the loop until Shutdown or EOF."""
+
+    device: str
+    version: int
+
+    def run(self, channel: Channel) -> None: ...
+
+
+def configure_torch(device: str, threads: int) -> None:
+    """Give this process its own cores (CPU) or its own device; call before loading a model."""
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass  # already set once in this process
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+
+
+def serve(role: str, build: Any) -> int:
+    """Process main of a worker: Init -> build(init) -> Ready -> worker.run(channel)."""
+    t0 = time.perf_counter()
+    channel = Channel()
+    try:
+        init = channel.recv()
+        if init is EOF:
+            return 0
+        if not isinstance(init, wire.Init):
+            raise wire.WireError(f"{role}: expected Init first, got {type(init).__name__}")
+        worker = build(init)
+        channel.send(wire.Ready(role=role, pid=os.getpid(), load_s=time.perf_counter() - t0,
+                                device=worker.device, version=worker.version))
+        worker.run(channel)
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - every failure reaches the controller
+        if isinstance(exc, KeyboardInterrupt):
+            return 130  # the controller's Ctrl-C reached us too; it cleans up
+        tb = traceback.format_exc()
+        print(tb, file=sys.stderr, flush=True)
+        try:
+            channel.send(wire.Error(role=role, message=f"{type(exc).__name__}: {exc}", traceback=tb))
+        except OSError:
+            pass  # controller already gone
+        return 1
