@@ -1,0 +1,196 @@
+"""The rollout engine in-process on embedded:tiny-random: batching, logprobs, versions, aborts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+from areal_aio.weight_store import WeightStore
+from workers.engine import Engine, Request, _top_p
+from workers.models import TINY, encode_prompt, load_model
+
+PROMPTS = ["Calculate 3 + 4.", "What is 12 - 5? Put the answer in <answer></answer> tags.", "Hi",
+           "Calculate 7 * 8 and explain every step of the way, slowly and carefully."]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return load_model(TINY, seed=0)
+
+
+def _perturbed(model, seed: int):
+    """A copy of `model` with noise added: weights that a trainer step might have produced."""
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return other
+
+
+def _drain(engine: Engine) -> dict:
+    out = {}
+    while engine.busy:
+        for c in engine.step():
+            out[c.request_id] = c
+    return out
+
+
+def _reference_logprobs(model, completion, temperature: float, top_p: float) -> list[float]:
+    """Log-prob of each completion token by one full forward pass (no cache, no padding),
+    through transformers' own temperature and top-p warpers."""
+    ids = torch.tensor([completion.prompt_ids + completion.completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(completion.prompt_ids) - 1:-1].float()
+    if temperature > 0:
+        logits = TemperatureLogitsWarper(temperature)(None, logits)
+        if top_p < 1:
+            logits = TopPLogitsWarper(top_p)(None, logits)
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(1, torch.tensor(completion.completion_ids)[:, None])[:, 0].tolist()
+
+
+def test_many_requests_of_different_lengths_all_complete(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, max_batch=3, seed=1)
+    wanted = {}
+    for i in range(10):
+        n = 2 + 3 * i
+        wanted[f"r{i}"] = n
+        engine.add(Request(f"r{i}", encode_prompt(tok, PROMPTS[i % len(PROMPTS)]), n, 1.0))
+    peak = 0
+    out = {}
+    while engine.busy:
+        for c in engine.step():
+            out[c.request_id] = c
+        peak = max(peak, engine.running)
+    assert peak == 3  # slots are refilled as soon as they open, never above max_batch
+    assert set(out) == set(wanted)
+    for rid, c in out.items():
+        assert c.finish == "length" and len(c.completion_ids) == wanted[rid]
+        assert len(c.logprobs) == len(c.versions) == wanted[rid]
+        assert c.versions == [0] * wanted[rid] and c.interrupts == 0
+        assert c.text == tok.decode(c.completion_ids, skip_special_tokens=True)
+    assert engine.running == 0 and not engine.waiting
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_logprobs_equal_a_fresh_forward_pass(tiny, temperature, top_p):
+    model, tok = tiny
+    engine = Engine(model, tok, max_batch=8, seed=2)
+    for i, prompt in enumerate(PROMPTS * 2):
+        engine.add(Request(f"r{i}", encode_prompt(tok, prompt), 6 + 2 * i, temperature, top_p))
+    out = _drain(engine)
+    assert len(out) == 8
+    for c in out.values():
+        ref = _reference_logprobs(model, c, temperature, top_p)
+        assert max(abs(a - b) for a, b in zip(ref, c.logprobs, strict=True)) < 1e-4
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logp = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]]))
+    kept = _top_p(logp, torch.tensor([0.7, 0.85])).exp()
+    assert torch.allclose(kept[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    assert torch.allclose(kept[1], torch.tensor([0.0, 0.15, 0.3, 0.5]) / 0.95)
+
+
+def test_group_of_identical_prompts_samples_independently(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, max_batch=8, seed=3)
+    ids = encode_prompt(tok, PROMPTS[0])
+    for i in range(8):
+        engine.add(Request(f"g{i}", ids, 8, 1.0))
+    out = _drain(engine)
+    assert len({tuple(c.completion_ids) for c in out.values()}) > 1
+    for c in out.values():
+        ref = _reference_logprobs(model, c, 1.0, 1.0)
+        assert max(abs(a - b) for a, b in zip(ref, c.logprobs, strict=True)) < 1e-4
+
+
+def test_greedy_equals_model_generate(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, max_batch=4, seed=4)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add(Request(f"r{i}", encode_prompt(tok, prompt), 12, 0.0))
+    engine.add(Request("sampled", encode_prompt(tok, PROMPTS[0]), 12, 1.0))  # shares the batch
+    out = _drain(engine)
+    for i, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([encode_prompt(tok, prompt)])
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=12)[0, ids.shape[1]:].tolist()
+        assert out[f"r{i}"].completion_ids == ref
+        assert max(abs(a - b) for a, b in zip(
+            _reference_logprobs(model, out[f"r{i}"], 0.0, 1.0), out[f"r{i}"].logprobs,
+            strict=True)) < 1e-4
+
+
+def test_eos_stops_a_sequence_and_is_kept(tiny):
+    model, tok = tiny
+    ids = encode_prompt(tok, PROMPTS[0])
+    probe = Engine(model, tok, max_batch=1, seed=7)
+    probe.add(Request("p", ids, 10, 1.0))
+    sampled = _drain(probe)["p"].completion_ids
+    at = next(i for i, t in enumerate(sampled) if t not in sampled[:i] and i > 0)
+    engine = Engine(model, tok, max_batch=1, seed=7)  # same seed: the same draws
+    engine.eos = {sampled[at]}  # pretend a later sampled token is EOS
+    engine.add(Request("r", ids, 10, 1.0))
+    c = _drain(engine)["r"]
+    assert c.finish == "stop" and c.completion_ids == sampled[:at + 1]
+
+
+def test_abort_queued_and_running(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, max_batch=2, seed=5)
+    for i in range(4):
+        engine.add(Request(f"r{i}", encode_prompt(tok, PROMPTS[i]), 20, 1.0))
+    engine.run_chunk(3)
+    running = engine.abort("r1")
+    queued = engine.abort("r3")
+    assert engine.abort("nope") is None
+    # the first step samples twice: once from the prefill, once from the decode
+    assert running.finish == "abort" and len(running.completion_ids) == 4
+    assert len(running.logprobs) == len(running.versions) == 4
+    assert queued.finish == "abort" and queued.completion_ids == []
+    out = _drain(engine)
+    assert set(out) == {"r0", "r2"} and all(c.finish == "length" for c in out.values())
+
+
+def test_weight_update_mid_generation_rebuilds_and_versions_tokens(tiny, tmp_path):
+    model, tok = tiny
+    model = copy.deepcopy(model)  # the engine loads new weights into it
+    v0 = copy.deepcopy(model)
+    v1 = _perturbed(model, seed=6)
+    path = WeightStore(tmp_path).publish(v1, 1)
+    engine = Engine(model, tok, max_batch=4, seed=6)
+    for i, prompt in enumerate(PROMPTS + PROMPTS[:2]):
+        engine.add(Request(f"r{i}", encode_prompt(tok, prompt), 16, 0.8, 0.95))
+    early = {c.request_id: c for c in engine.run_chunk(5)}
+    loaded, done = engine.update_weights(1, str(path))
+    assert loaded.version == 1 and loaded.rebuilt == 4 and not early and not done
+    out = _drain(engine)
+    interrupted = [c for c in out.values() if c.interrupts]
+    assert len(interrupted) == 4 and len(out) == 6
+    for c in out.values():
+        versions = c.versions
+        assert versions == sorted(versions) and len(versions) == 16
+        if c.interrupts:
+            assert versions[0] == 0 and versions[-1] == 1 and c.interrupts == 1
+        else:
+            assert set(versions) == {1}
+        # each token's logprob under the weights of its own version
+        ref = {0: _reference_logprobs(v0, c, 0.8, 0.95), 1: _reference_logprobs(v1, c, 0.8, 0.95)}
+        for i, (lp, v) in enumerate(zip(c.logprobs, versions, strict=True)):
+            assert abs(lp - ref[v][i]) < 1e-4, (c.request_id, i, v)
+        assert any(abs(ref[0][i] - ref[1][i]) > 1e-3 for i in range(16))  # the versions differ
+
+
+def test_update_weights_with_a_missing_file_raises(tiny, tmp_path):
+    model, tok = tiny
+    engine = Engine(copy.deepcopy(model), tok)
+    with pytest.raises(Exception, match="no such weight version"):
+        engine.update_weights(1, str(tmp_path / "v1.safetensors"))

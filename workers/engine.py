@@ -1,0 +1,329 @@
+"""The rollout engine: interruptible continuous-batching generation on a plain transformers model.
+
+No pipe code here: `workers/rollout.py` feeds it messages; tests drive it directly.
+
+    add(request) -> waiting (FIFO) --admit when a slot frees--> running rows (<= max_batch)
+    step():  admit: prefill the new rows (identical prompts once), sample their first token,
+                    merge their KV into the batch
+             decode: feed every row's pending token, sample the next one, retire finished rows
+    update_weights(version, path): load, drop the KV cache, prefill every running row again
+                    (prompt + tokens so far) under the new weights; later tokens carry `version`
+
+The batch KV cache is right-aligned: every row's newest cached token sits in the last column,
+shorter rows are padded on the left (attention_mask 0, positions count real tokens only), so one
+decode step feeds one token per row at the same column. Invariant between steps: the cache holds
+each row's prompt + completion except its last sampled token (the "pending" token), which the
+next decode step feeds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from areal_aio.weight_store import load_weights
+from areal_aio.wire import Completion, WeightsLoaded
+
+GREEDY_BELOW = 1e-5
+"""A temperature under this is greedy decoding (the wire says 0; floats may arrive as 1e-9)."""
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence to generate; prompt already tokenized (chat template applied)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass(slots=True)
+class _Seq:
+    """A request's generation state; `completion[-1]` is the pending token while running."""
+
+    req: Request
+    t0: float
+    completion: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    interrupts: int = 0
+
+    @property
+    def ids(self) -> list[int]:
+        return self.req.prompt_ids + self.completion
+
+
+class _Batch:
+    """The running rows and their shared right-aligned KV cache.
+
+    cache layers: keys/values [B, kv_heads, T, head_dim]; mask [B, T] (1 = real token);
+    pos [B] = real tokens cached per row = position id of the row's pending token.
+    """
+
+    def __init__(self) -> None:
+        self.seqs: list[_Seq] = []
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        self.pos = torch.zeros(0, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (in order), then drop leading columns no row uses any more."""
+        if len(rows) == len(self.seqs):
+            return
+        self.seqs = [self.seqs[i] for i in rows]
+        if not rows:
+            self.cache, self.mask, self.pos = None, self.mask[:0, :0], self.pos[:0]
+            return
+        index = torch.tensor(rows, dtype=torch.long)
+        self.mask = self.mask.index_select(0, index)
+        self.pos = self.pos.index_select(0, index)
+        first = int(self.mask.any(0).int().argmax())  # first column some row still uses
+        self.mask = self.mask[:, first:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
+            layer.values = layer.values.index_select(0, index)[:, :, first:]
+
+    def merge(self, other: _Batch) -> None:
+        """Append `other`'s rows; the shorter side is left-padded so columns stay right-aligned."""
+        if not self.seqs:
+            self.seqs, self.cache, self.mask, self.pos = other.seqs, other.cache, other.mask, other.pos
+            return
+        t = max(self.mask.shape[1], other.mask.shape[1])
+        self.mask = torch.cat([_pad_left(self.mask, t), _pad_left(other.mask, t)])
+        self.pos = torch.cat([self.pos, other.pos])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([_pad_left(mine.keys, t, dim=2), _pad_left(theirs.keys, t, dim=2)])
+            mine.values = torch.cat([_pad_left(mine.values, t, dim=2),
+                                     _pad_left(theirs.values, t, dim=2)])
+        self.seqs = self.seqs + other.seqs
+
+
+def _pad_left(x: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
+    short = length - x.shape[dim]
+    if short == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = short
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+class Engine:
+    """Continuous batching with per-token logprobs and versions, and weight swaps mid-sequence."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, max_batch: int = 32, version: int = 0,
+                 seed: int = 0) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.version = version
+        self.device = next(model.parameters()).device
+        self.admitting = True  # False while draining for a non-interrupting weight update
+        self.waiting: deque[_Seq] = deque()
+        self.batch = _Batch()
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.eos = _eos_ids(model, tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.tokens_generated = 0
+
+    # ------------------------------------------------------------------ queue
+
+    @property
+    def running(self) -> int:
+        return len(self.batch)
+
+    @property
+    def busy(self) -> bool:
+        """True while a step would do work (rows to decode or requests it may admit)."""
+        return bool(self.batch.seqs) or (self.admitting and bool(self.waiting))
+
+    def add(self, req: Request) -> None:
+        """Queue a request; it gets a slot at the next step with one free."""
+        self.waiting.append(_Seq(req, time.perf_counter()))
+
+    def abort(self, request_id: str) -> Completion | None:
+        """Drop a queued or running request: its Completion (finish 'abort'), None if unknown."""
+        for seq in self.waiting:
+            if seq.req.request_id == request_id:
+                self.waiting.remove(seq)
+                return self._completion(seq, "abort")
+        for row, seq in enumerate(self.batch.seqs):
+            if seq.req.request_id == request_id:
+                self.batch.keep([i for i in range(len(self.batch)) if i != row])
+                return self._completion(seq, "abort")
+        return None
+
+    # ------------------------------------------------------------------ generation
+
+    def run_chunk(self, steps: int) -> list[Completion]:
+        """Up to `steps` steps (fewer when nothing is left to do); the finished sequences."""
+        done: list[Completion] = []
+        for _ in range(steps):
+            if not self.busy:
+                break
+            done.extend(self.step())
+        return done
+
+    @torch.inference_mode()
+    def step(self) -> list[Completion]:
+        """Admit into free slots, then one decode step for every running row."""
+        done = self._admit()
+        b = self.batch
+        if not b.seqs:
+            return done
+        tokens = torch.tensor([[s.completion[-1]] for s in b.seqs], dtype=torch.long)
+        b.mask = torch.cat([b.mask, b.mask.new_ones(len(b), 1)], dim=1)
+        out = self.model(input_ids=tokens.to(self.device), attention_mask=b.mask.to(self.device),
+                         position_ids=b.pos[:, None].to(self.device), past_key_values=b.cache,
+                         use_cache=True, logits_to_keep=1)
+        b.pos = b.pos + 1
+        done.extend(self._sample_and_retire(b, out.logits[:, -1]))
+        return done
+
+    def _admit(self) -> list[Completion]:
+        free = self.max_batch - len(self.batch)
+        if not (self.admitting and free > 0 and self.waiting):
+            return []
+        seqs = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        fresh, done = self._prefill(seqs)
+        self.batch.merge(fresh)
+        return done
+
+    def _prefill(self, seqs: list[_Seq]) -> tuple[_Batch, list[Completion]]:
+        """Forward prompt + completion of `seqs` from scratch and sample one token for each.
+
+        Identical token lists (a GRPO group) are computed once and their KV rows repeated.
+        """
+        unique: dict[tuple[int, ...], int] = {}
+        which = [unique.setdefault(tuple(s.ids), len(unique)) for s in seqs]
+        rows = list(unique)
+        length = max(map(len, rows))
+        ids = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), length), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, length - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[i, length - len(row):] = 1
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=positions.to(self.device), past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+        fresh = _Batch()
+        fresh.seqs, fresh.cache, fresh.mask = seqs, cache, mask
+        fresh.pos = mask.sum(1)
+        if len(rows) != len(seqs):
+            index = torch.tensor(which, dtype=torch.long)
+            fresh.mask, fresh.pos = mask.index_select(0, index), fresh.pos.index_select(0, index)
+            logits = logits.index_select(0, index.to(self.device))
+            for layer in cache.layers:
+                layer.keys = layer.keys.index_select(0, index.to(self.device))
+                layer.values = layer.values.index_select(0, index.to(self.device))
+        done = self._sample_and_retire(fresh, logits)
+        return fresh, done
+
+    def _sample_and_retire(self, b: _Batch, logits: torch.Tensor) -> list[Completion]:
+        """Sample one token per row of `b` from logits [B, V]; remove and return finished rows."""
+        token, logprob = self._sample(logits.float(), b.seqs)
+        token, logprob = token.tolist(), logprob.tolist()
+        keep, done = [], []
+        for i, seq in enumerate(b.seqs):
+            seq.completion.append(token[i])
+            seq.logprobs.append(logprob[i])
+            seq.versions.append(self.version)
+            if token[i] in self.eos:
+                done.append(self._completion(seq, "stop"))
+            elif len(seq.completion) >= seq.req.max_new_tokens:
+                done.append(self._completion(seq, "length"))
+            else:
+                keep.append(i)
+        self.tokens_generated += len(b.seqs)
+        b.keep(keep)
+        return done
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token [B], its log-prob [B] under the distribution it was drawn from).
+
+        Greedy rows: argmax, log-prob under the plain softmax. Sampled rows: softmax of
+        logits / temperature, restricted to the top-p nucleus and renormalized.
+        """
+        temps = [s.req.temperature for s in seqs]
+        top_ps = [s.req.top_p for s in seqs]
+        greedy = [t < GREEDY_BELOW for t in temps]
+        if all(greedy):
+            logp = torch.log_softmax(logits, dim=-1)
+            token = logp.argmax(-1)
+            return token, logp.gather(1, token[:, None])[:, 0]
+        scale = torch.tensor([1.0 if g else t for g, t in zip(greedy, temps, strict=True)],
+                             device=logits.device)
+        logp = torch.log_softmax(logits / scale[:, None], dim=-1)
+        if any(p < 1.0 for p in top_ps):
+            logp = _top_p(logp, torch.tensor(top_ps, device=logits.device))
+        # Gumbel-max: argmax(logp + Gumbel noise) is a draw from softmax(logp), no cumsum needed.
+        noise = torch.empty_like(logp).exponential_(generator=self.generator).log_()
+        token = (logp - noise).argmax(-1)
+        if any(greedy):
+            token = torch.where(torch.tensor(greedy, device=logits.device), logp.argmax(-1), token)
+        return token, logp.gather(1, token[:, None])[:, 0]
+
+    # ------------------------------------------------------------------ weights
+
+    @torch.inference_mode()
+    def update_weights(self, version: int, path: str) -> tuple[WeightsLoaded, list[Completion]]:
+        """Load `path` now and rebuild the KV cache of every running row under it.
+
+        Returns the WeightsLoaded reply and any rows that finished on the token sampled right
+        after the rebuild. Queued requests need nothing: they start on the new weights.
+        """
+        load_s = load_weights(self.model, path)
+        self.version = version
+        seqs = self.batch.seqs
+        self.batch = _Batch()
+        done: list[Completion] = []
+        if seqs:
+            for seq in seqs:
+                seq.interrupts += 1
+            # The pending token is part of `ids`: prefill caches it too and samples the next
+            # token under the new weights, which restores the invariant with a new pending token.
+            self.batch, done = self._prefill(seqs)
+        return WeightsLoaded(version=version, load_s=load_s, rebuilt=len(seqs)), done
+
+    # ------------------------------------------------------------------ results
+
+    def _completion(self, seq: _Seq, finish: str) -> Completion:
+        return Completion(
+            request_id=seq.req.request_id, prompt_ids=list(seq.req.prompt_ids),
+            completion_ids=list(seq.completion), logprobs=list(seq.logprobs),
+            versions=list(seq.versions),
+            text=self.tokenizer.decode(seq.completion, skip_special_tokens=True),
+            finish=finish, interrupts=seq.interrupts, gen_s=time.perf_counter() - seq.t0)
+
+
+def _top_p(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's smallest set of tokens whose mass reaches top_p; renormalize (log space)."""
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    before = sorted_logp.exp().cumsum(-1) - sorted_logp.exp()  # mass of the tokens ranked higher
+    drop_sorted = before >= top_p[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    logp = logp.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(logp, dim=-1)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Every id that ends a sequence: the tokenizer's EOS and the generation config's."""
+    ids = set()
+    for value in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(value)
+    return ids

@@ -1,0 +1,101 @@
+"""The rollout worker process: `python -m workers.rollout`, the Engine behind a pipe.
+
+    Init -> configure_torch, load_model -> Ready(version 0)
+    loop:
+        messages (never blocking while there is work; blocking recv when idle):
+            Generate      -> engine.add (prompt through the chat template)
+            Abort         -> engine.abort -> Completion(finish="abort"); unknown ids ignored
+            UpdateWeights -> pending (a newer one supersedes an older one not yet loaded)
+            Shutdown, EOF -> return
+        pending weights:
+            interrupt on  -> load now (we are at a chunk boundary), rebuild KV, WeightsLoaded
+            interrupt off -> stop admitting; once no row runs: load, WeightsLoaded, admit again
+        engine.run_chunk(chunk_tokens) -> Completion for each finished sequence
+
+The pipe is looked at only between chunks, so `rollout.chunk_tokens` decode steps are the
+interrupt granularity.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from areal_aio import wire
+from workers.common import EOF, Channel, configure_torch, serve
+from workers.engine import Engine, Request
+from workers.models import encode_prompt, load_model
+
+IDLE_WAIT_S = 1.0
+"""Blocking wait for a message when there is nothing to generate (wakes at once on a message)."""
+
+
+class RolloutWorker:
+    """Owns the model and the Engine; `run` is the message loop."""
+
+    def __init__(self, init: wire.Init) -> None:
+        s = init.settings
+        ro = s["rollout"]
+        self.device = ro["device"]
+        self.version = 0
+        self.interrupt = bool(ro["interrupt"])
+        self.chunk_tokens = int(ro["chunk_tokens"])
+        self.system_prompt = s["model"].get("system_prompt", "")
+        configure_torch(self.device, int(ro["threads"]))
+        model, self.tokenizer = load_model(s["model"]["path"], seed=int(s["run"]["seed"]),
+                                           dtype=ro["dtype"], device=self.device)
+        self.engine = Engine(model, self.tokenizer, max_batch=int(ro["max_batch"]),
+                             seed=int(s["run"]["seed"]))
+        self.pending: wire.UpdateWeights | None = None
+
+    def run(self, channel: Channel) -> None:
+        engine = self.engine
+        while True:
+            msg = channel.poll() if engine.busy or self.pending else channel.recv(IDLE_WAIT_S)
+            while msg is not None:
+                if msg is EOF or isinstance(msg, wire.Shutdown):
+                    return
+                self._handle(msg, channel)
+                msg = channel.poll()
+            if self.pending is not None and (self.interrupt or engine.running == 0):
+                self._load(channel)
+            for done in engine.run_chunk(self.chunk_tokens):
+                channel.send(done)
+
+    def _handle(self, msg: Any, channel: Channel) -> None:
+        match msg:
+            case wire.Generate():
+                ids = encode_prompt(self.tokenizer, msg.prompt, self.system_prompt)
+                self.engine.add(Request(msg.request_id, ids, msg.max_new_tokens,
+                                        msg.temperature, msg.top_p))
+            case wire.Abort():
+                done = self.engine.abort(msg.request_id)
+                if done is not None:
+                    channel.send(done)
+            case wire.UpdateWeights():
+                self.pending = msg
+                if not self.interrupt:
+                    self.engine.admitting = False  # drain: rows in flight finish on old weights
+            case _:
+                raise wire.WireError(f"rollout: unexpected message {type(msg).__name__}")
+
+    def _load(self, channel: Channel) -> None:
+        msg, self.pending = self.pending, None
+        t0 = time.perf_counter()
+        loaded, done = self.engine.update_weights(msg.version, msg.path)
+        self.version = msg.version
+        self.engine.admitting = True
+        print(f"[rollout] v{msg.version}: load {loaded.load_s:.2f}s, rebuilt {loaded.rebuilt} "
+              f"rows in {time.perf_counter() - t0 - loaded.load_s:.2f}s", file=sys.stderr, flush=True)
+        channel.send(loaded)
+        for completion in done:
+            channel.send(completion)
+
+
+def main() -> int:
+    return serve("rollout", RolloutWorker)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
