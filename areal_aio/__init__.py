@@ -1,1 +1,23 @@
-"""areal_aio: asynchronous RL for language models on one machine."""
+"""areal_aio: asynchronous RL for language models on one machine.
+
+    from areal_aio import Orchestrator, load_settings
+    summary = await Orchestrator(load_settings("settings.toml")).run()
+
+Names are imported on first use, so a worker that needs only `areal_aio.wire`
+does not import the controller.
+"""
+
+from typing import Any
+
+__all__ = ["AnswerReward", "Orchestrator", "Score", "Settings", "SettingsError", "Task", "load_settings"]
+_HOME = {"Orchestrator": "controller", "AnswerReward": "rewards", "Score": "rewards",
+         "Settings": "settings", "SettingsError": "settings", "load_settings": "settings",
+         "Task": "tasks"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'areal_aio' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"areal_aio.{_HOME[name]}"), name)

@@ -1,0 +1,3 @@
+from areal_aio.cli import main
+
+raise SystemExit(main())

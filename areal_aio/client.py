@@ -1,0 +1,160 @@
+"""Worker clients: the controller's handle on one worker, over a pipe or in-process.
+
+The controller sees only `WorkerClient`: start (Init -> Ready), send, recv
+(None at end of stream), stop. `PipeWorker` runs the real subprocess;
+`areal_aio.fakes` has in-process fakes with the same surface, the seam the
+controller tests and the overhead benchmark use.
+
+Stopping a subprocess: ask (Shutdown), wait SHUTDOWN_TIMEOUT_S, terminate,
+wait KILL_TIMEOUT_S, kill. Workers run in their own session so a Ctrl-C in the
+terminal reaches only the controller, which then stops them in that order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from areal_aio import wire
+
+READY_TIMEOUT_S = 600.0
+"""Loading a model (never converting it: that happens before) fits easily in this."""
+SHUTDOWN_TIMEOUT_S = 10.0
+"""A worker finishes its current chunk or step and exits well within this."""
+KILL_TIMEOUT_S = 3.0
+LOG_TAIL_BYTES = 4000
+
+
+class WorkerFailed(RuntimeError):
+    """A worker sent an Error, died, or closed its pipe; carries its traceback."""
+
+    def __init__(self, role: str, message: str, traceback: str = "") -> None:
+        super().__init__(f"{role} worker failed: {message}" + (f"\n{traceback}" if traceback else ""))
+        self.role = role
+        self.traceback = traceback
+
+
+class WorkerClient(Protocol):
+    role: str
+
+    async def start(self, init: wire.Init) -> wire.Ready: ...
+
+    async def send(self, msg: Any) -> None: ...
+
+    async def recv(self) -> Any | None: ...
+
+    async def stop(self) -> None: ...
+
+
+class PipeWorker:
+    """A worker subprocess (`python -m workers.<role>`), spawned fresh (never forked)."""
+
+    def __init__(self, role: str, log_path: Path | None = None, threads: int = 1) -> None:
+        self.role = role
+        self.log_path = log_path
+        self.threads = threads
+        self.proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    async def start(self, init: wire.Init) -> wire.Ready:
+        root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads),
+                   PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - handed to the child
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", f"workers.{self.role}", stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=log if log else asyncio.subprocess.DEVNULL,
+                env=env, start_new_session=True)
+        finally:
+            if log:
+                log.close()
+        await self.send(init)
+        try:
+            msg = await asyncio.wait_for(self.recv(), READY_TIMEOUT_S)
+        except TimeoutError:
+            raise WorkerFailed(self.role, f"not ready after {READY_TIMEOUT_S:.0f}s", self.log_tail()) from None
+        if isinstance(msg, wire.Ready):
+            return msg
+        raise self.failure(msg)
+
+    def failure(self, msg: Any) -> WorkerFailed:
+        """The error to raise for a message that means the worker is gone (Error or EOF)."""
+        if isinstance(msg, wire.Error):
+            return WorkerFailed(self.role, msg.message, msg.traceback)
+        code = self.proc.returncode if self.proc else None
+        what = f"exited with code {code}" if code is not None else "closed its pipe"
+        if msg is not None:
+            what = f"sent an unexpected {type(msg).__name__}"
+        return WorkerFailed(self.role, what, self.log_tail())
+
+    def log_tail(self) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        data = self.log_path.read_bytes()[-LOG_TAIL_BYTES:]
+        return data.decode(errors="replace")
+
+    async def send(self, msg: Any) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(wire.encode(msg))
+            await self.proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            raise WorkerFailed(self.role, "pipe closed while sending", self.log_tail()) from None
+
+    async def recv(self) -> Any | None:
+        assert self.proc is not None and self.proc.stdout is not None
+        return await wire.read_message_async(self.proc.stdout)
+
+    async def stop(self) -> None:
+        """Ask, wait, terminate, kill: no worker outlives this call."""
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        try:
+            proc.stdin.write(wire.encode(wire.Shutdown()))
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError, RuntimeError, AttributeError):
+            pass
+        for action, timeout in ((None, SHUTDOWN_TIMEOUT_S), (proc.terminate, KILL_TIMEOUT_S),
+                                (proc.kill, None)):
+            if action is not None:
+                try:
+                    action()
+                except ProcessLookupError:
+                    pass
+            try:
+                await asyncio.wait_for(asyncio.shield(proc.wait()), timeout)
+                return
+            except TimeoutError:
+                continue
+
+
+async def ensure_model(spec: str) -> float:
+    """Download/convert an embedded model before the workers start; returns seconds spent.
+
+    Runs `python -m workers.models prepare` in a subprocess that prints what it
+    does, so this process never imports torch. A cached model costs nothing.
+    """
+    from workers.models import is_cached
+
+    if is_cached(spec):
+        return 0.0
+    t0 = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "workers.models", "prepare", spec)
+    try:
+        code = await proc.wait()
+    except asyncio.CancelledError:
+        proc.kill()
+        await proc.wait()
+        raise
+    if code != 0:
+        raise RuntimeError(f"model.path: could not prepare {spec!r} (see the message above)")
+    return time.perf_counter() - t0

@@ -1,0 +1,627 @@
+"""The controller: one asyncio event loop driving a rollout worker and a trainer worker.
+
+    tasks (any iterable / async iterable)
+        |
+    [dispatch] --blocks on--> admission: floor((live + G - 1) / B) <= version + eta
+        |  Generate x G (one group)                       ^ capacity event: commit, drop
+        v                                                 |
+    rollout pipe ----> [rollout_reader] --Completion--> [score] (reward pool, timeout -> 0)
+                             |  WeightsLoaded               | group complete
+                             v                              v
+                        events.jsonl                  ReplayBuffer (oldest first)
+                                                            | take(B/G groups): staleness
+                                                            | measured HERE, > eta dropped
+                                                            v
+    [train_loop] (the one finite loop: max_steps / max_wall_s / threshold / stop())
+        Train --> trainer pipe --> [trainer_reader] --Trained--> commit version = v+1
+        --> UpdateWeights(v+1) to rollout --> capacity event --> eval every k steps
+    [monitor]  loop lag, queue depths, progress line, row flushing
+
+Who blocks on whom: dispatch waits for capacity (version commits and drops
+release it); train_loop waits for the replay buffer to hold a fresh batch and
+then for the trainer; readers wait on their pipes. Only train_loop ends the
+run: when it returns, the other tasks are cancelled, workers are asked to
+shut down (then terminated, then killed), the weight store folder is removed
+and the summary written. A worker Error or EOF raises WorkerFailed in its
+reader, which cancels the TaskGroup and takes the same shutdown path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal_aio import wire
+from areal_aio.client import PipeWorker, WorkerClient, WorkerFailed, ensure_model
+from areal_aio.replay import Group, ReplayBuffer
+from areal_aio.rewards import AnswerReward, Score, Scorer
+from areal_aio.runlog import RunLog
+from areal_aio.settings import Settings
+from areal_aio.staleness import may_admit, staleness
+from areal_aio.tasks import Task, eval_tasks, training_tasks
+from areal_aio.weight_store import WeightStore
+
+MONITOR_PERIOD_S = 0.05
+"""Loop-lag probe period: a lag above this much is the loop being blocked."""
+PROGRESS_PERIOD_S = 2.0
+EVENT_QUEUE = 10_000
+"""Events buffered per subscriber; a subscriber that falls further behind loses the oldest."""
+
+
+@dataclass(slots=True)
+class Sample:
+    """One admitted rollout: its task, its group, and (once back) its completion and score."""
+
+    request_id: str
+    group_id: int
+    task: Task
+    retries: int = 0
+    completion: wire.Completion | None = None
+    score: Score | None = None
+
+    @property
+    def oldest_version(self) -> int:
+        return self.completion.oldest_version
+
+
+@dataclass(slots=True)
+class PendingGroup:
+    task: Task
+    samples: list[Sample]
+    scored: int = 0
+    dropped: bool = False
+
+
+@dataclass(slots=True)
+class Counts:
+    admitted: int = 0
+    generated: int = 0
+    accepted: int = 0
+    dropped_stale: int = 0
+    dropped_interrupt: int = 0
+    interrupts: int = 0
+    restarts: int = 0
+    reward_failures: int = 0
+    gen_tokens: int = 0
+    eval_tokens: int = 0
+    trained_tokens: int = 0
+    reward_sum: float = 0.0
+    staleness_hist: Counter = field(default_factory=Counter)
+
+
+class Busy:
+    """Integrates the time a worker has work in hand (for idle fractions)."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.total = 0.0
+        self._since = 0.0
+
+    def up(self) -> None:
+        if self.active == 0:
+            self._since = time.perf_counter()
+        self.active += 1
+
+    def down(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self.total += time.perf_counter() - self._since
+
+    def seconds(self) -> float:
+        return self.total + (time.perf_counter() - self._since if self.active else 0.0)
+
+
+class Orchestrator:
+    """Runs one training run inside the caller's event loop.
+
+    `tasks`: any iterable or async iterable of Task (default: settings' task stream);
+    `reward`: any sync or async callable (task, completion_text) -> float | Score;
+    `rollout` / `trainer`: WorkerClient instances (default: the real subprocesses).
+    Cancel the task awaiting `run()` to stop: workers are shut down, nothing is left behind.
+    """
+
+    def __init__(self, settings: Settings, *, tasks: Iterable[Task] | AsyncIterable[Task] | None = None,
+                 reward: Callable[..., Any] | None = None, eval_set: list[Task] | None = None,
+                 out_dir: str | Path | None = None, rollout: WorkerClient | None = None,
+                 trainer: WorkerClient | None = None) -> None:
+        self.settings = settings
+        self.eta = settings.eta
+        self.B = settings.trainer.batch_size
+        self.G = settings.rollout.group_size
+        self._tasks = tasks if tasks is not None else training_tasks(settings)
+        self._reward = reward if reward is not None else AnswerReward(settings.task.format_bonus)
+        self._eval_set = eval_set if eval_set is not None else eval_tasks(settings)
+        name = settings.run.name or f"{settings.run.mode}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self.folder = Path(out_dir) if out_dir is not None else Path(settings.run.out_dir) / name
+        self._name = name
+        self.rollout = rollout or PipeWorker("rollout", self.folder / "rollout.log", settings.rollout.threads)
+        self.trainer = trainer or PipeWorker("trainer", self.folder / "trainer.log", settings.trainer.threads)
+        self.version = 0
+        self.step = 0
+        self.live = 0  # admitted rollouts not dropped: the admission count
+        self.counts = Counts()
+        self.replay = ReplayBuffer()
+        self.summary: dict[str, Any] = {}
+        self._groups: dict[int, PendingGroup] = {}
+        self._requests: dict[str, Sample] = {}
+        self._eval_waiters: dict[str, asyncio.Future] = {}
+        self._trained: asyncio.Future | None = None
+        self._capacity = asyncio.Event()
+        self._batch_ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._source_done = False
+        self._closing = False  # the train loop is done: in-flight rollouts are abandoned
+        self._group_ids = itertools.count()
+        self._rollout_busy = Busy()
+        self._trainer_busy = Busy()
+        self._subscribers: list[asyncio.Queue] = []
+        self._eval_curve: list[dict] = []
+        self._evals: set[asyncio.Task] = set()
+        self._commit_wall: dict[int, float] = {0: 0.0}
+        self._time_to_threshold: float | None = None
+        self._lag_max = 0.0
+        self._t0 = 0.0
+        self._cold_start = {}
+        self._max_trained_staleness = 0
+        self.log: RunLog | None = None
+        self.store: WeightStore | None = None
+
+    # ------------------------------------------------------------------ public
+
+    def stop(self) -> None:
+        """Ask the run to end after the current step (then final eval, summary)."""
+        self._stop.set()
+        self._batch_ready.set()
+
+    async def events(self) -> AsyncIterator[dict]:
+        """Stream of event, step and eval rows until the run ends."""
+        queue: asyncio.Queue = asyncio.Queue(EVENT_QUEUE)
+        self._subscribers.append(queue)
+        try:
+            while (item := await queue.get()) is not None:
+                yield item
+        finally:
+            self._subscribers.remove(queue)
+
+    async def run(self) -> dict:
+        """Prepare, start both workers, train until a stop condition; returns the summary."""
+        self.log = RunLog(self.folder, self.settings.to_toml())
+        self._scorer = Scorer(self._reward, timeout_s=self.settings.controller.reward_timeout_s,
+                              procs=self.settings.controller.reward_procs)
+        error: BaseException | None = None
+        try:
+            if isinstance(self.rollout, PipeWorker) or isinstance(self.trainer, PipeWorker):
+                prep_s = await ensure_model(self.settings.model.path)
+                self._cold_start["prepare_s"] = round(prep_s, 3)
+            self.store = WeightStore.create(self._name.replace("/", "_"))
+            await self._start_workers()
+            self._t0 = time.perf_counter()
+            self._emit("run_start", mode=self.settings.run.mode, eta=_num(self.eta))
+            await self._supervise()
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            await asyncio.shield(self._shutdown(error))
+        return self.summary
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _start_workers(self) -> None:
+        t0 = time.perf_counter()
+        settings = self.settings.to_dict()
+        ready = await asyncio.gather(
+            self.rollout.start(wire.Init("rollout", settings, str(self.store.root))),
+            self.trainer.start(wire.Init("trainer", settings, str(self.store.root))))
+        self._cold_start.update(cold_start_s=round(time.perf_counter() - t0, 3),
+                                rollout_load_s=round(ready[0].load_s, 3),
+                                trainer_load_s=round(ready[1].load_s, 3),
+                                rollout_device=ready[0].device, trainer_device=ready[1].device)
+        for r in ready:
+            self.log.events.info("worker_ready", role=r.role, pid=r.pid, load_s=round(r.load_s, 3),
+                                 device=r.device)
+
+    async def _supervise(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            self._dispatcher = tg.create_task(self._dispatch(), name="dispatch")
+            helpers = [self._dispatcher] + [tg.create_task(coro, name=name) for name, coro in (
+                ("rollout_reader", self._rollout_reader()), ("trainer_reader", self._trainer_reader()),
+                ("monitor", self._monitor()))]
+            await tg.create_task(self._train_loop(), name="train_loop")
+            for task in helpers:
+                task.cancel()
+
+    async def _shutdown(self, error: BaseException | None) -> None:
+        for task in list(self._evals):
+            task.cancel()
+        await asyncio.gather(self.rollout.stop(), self.trainer.stop(), return_exceptions=True)
+        self._scorer.close()
+        if self.store is not None:
+            self.store.close()
+        failure = _worker_failure(error)
+        self.summary = self._summarize(failure or error)
+        if self.log is not None:
+            self.log.events.info("run_end", error=None if error is None else type(error).__name__)
+            self.log.flush_now()
+            self.log.write_summary(self.summary)
+        for queue in self._subscribers:
+            _put_latest(queue, None)
+        if failure is not None and failure is not error:
+            raise failure from None
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def _task_stream(self) -> AsyncIterator[Task]:
+        if isinstance(self._tasks, AsyncIterable):
+            async for task in self._tasks:
+                yield task
+        else:
+            for task in self._tasks:
+                yield task
+
+    async def _dispatch(self) -> None:
+        """Admit one group at a time while the rate rule allows; the only writer of `live` upward."""
+        stream = self._task_stream()
+        while True:
+            while not may_admit(self.live, self.G, self.B, self.version, self.eta):
+                self._capacity.clear()
+                await self._capacity.wait()
+            try:
+                task = await anext(stream)
+            except StopAsyncIteration:
+                self._source_done = True
+                self._batch_ready.set()  # let train_loop notice it can never fill a batch
+                return
+            gid = next(self._group_ids)
+            samples = [Sample(f"g{gid}.{i}", gid, task) for i in range(self.G)]
+            self._groups[gid] = PendingGroup(task, samples)
+            self.live += self.G
+            self.counts.admitted += self.G
+            for sample in samples:
+                await self._generate(sample)
+
+    async def _generate(self, sample: Sample) -> None:
+        self._requests[sample.request_id] = sample
+        self._rollout_busy.up()
+        r = self.settings.rollout
+        await self.rollout.send(wire.Generate(sample.request_id, sample.task.prompt, r.max_new_tokens,
+                                              r.temperature, r.top_p))
+
+    # ------------------------------------------------------------------ rollout side
+
+    async def _rollout_reader(self) -> None:
+        while True:
+            msg = await self.rollout.recv()
+            match msg:
+                case wire.Completion():
+                    self._rollout_busy.down()
+                    if msg.request_id in self._eval_waiters:
+                        self._eval_waiters.pop(msg.request_id).set_result(msg)
+                    else:
+                        self._on_completion(msg)
+                case wire.WeightsLoaded():
+                    self.log.events.info("weights_loaded", version=msg.version,
+                                         load_s=round(msg.load_s, 4), rebuilt=msg.rebuilt)
+                    self._emit("weights_loaded", version=msg.version, load_s=msg.load_s, rebuilt=msg.rebuilt)
+                case _:
+                    raise _failure(self.rollout, msg)
+
+    def _on_completion(self, msg: wire.Completion) -> None:
+        sample = self._requests.pop(msg.request_id, None)
+        if sample is None:
+            return  # an abort answer for a sample already given up
+        group = self._groups.get(sample.group_id)
+        if group is None or group.dropped or self._closing:
+            return
+        if msg.finish == "abort":
+            self._restart(sample, group)
+            return
+        sample.completion = msg
+        self.counts.generated += 1
+        self.counts.gen_tokens += len(msg.completion_ids)
+        if msg.interrupts:
+            self.counts.interrupts += msg.interrupts
+            self.log.events.info("interrupted", request=msg.request_id, interrupts=msg.interrupts,
+                                 versions=[msg.oldest_version, msg.newest_version])
+        self._tg.create_task(self._score(sample, group), name=f"score-{msg.request_id}")
+
+    def _restart(self, sample: Sample, group: PendingGroup) -> None:
+        """on_interrupt = restart: resubmit from scratch, or drop the group past the retry limit."""
+        if sample.retries >= self.settings.controller.max_retries:
+            group.dropped = True
+            self._drop(group.samples, "interrupt")
+            for other in group.samples:
+                if self._requests.pop(other.request_id, None) is not None:
+                    self._tg.create_task(self.rollout.send(wire.Abort(other.request_id)))
+            return
+        sample.retries += 1
+        self.counts.restarts += 1
+        sample.request_id = f"{sample.request_id.split('~')[0]}~{sample.retries}"
+        self._tg.create_task(self._generate(sample), name=f"restart-{sample.request_id}")
+
+    async def _score(self, sample: Sample, group: PendingGroup) -> None:
+        sample.score = score = await self._scorer.score(sample.task, sample.completion.text)
+        self.counts.reward_failures += score.failed
+        self.counts.reward_sum += score.reward
+        group.scored += 1
+        if group.scored == len(group.samples) and not group.dropped:
+            del self._groups[sample.group_id]
+            self.replay.put(Group(sample.group_id, group.task, group.samples))
+            self._batch_ready.set()
+
+    def _drop(self, samples: list[Sample], why: str) -> None:
+        """Give the admission slots back and record the drop."""
+        self.live -= len(samples)
+        if why == "stale":
+            self.counts.dropped_stale += len(samples)
+        else:
+            self.counts.dropped_interrupt += len(samples)
+        for s in samples:
+            self._sample_row(s, dropped=why)
+        self._capacity.set()
+
+    # ------------------------------------------------------------------ training side
+
+    async def _trainer_reader(self) -> None:
+        while True:
+            msg = await self.trainer.recv()
+            match msg:
+                case wire.Trained() if self._trained is not None and not self._trained.done():
+                    self._trained.set_result(msg)
+                case _:
+                    raise _failure(self.trainer, msg)
+
+    async def _next_batch(self) -> list[Group] | None:
+        """Wait for B/G fresh groups; staleness is measured and enforced here."""
+        n_groups = self.B // self.G
+        while True:
+            batch, dropped = self.replay.take(n_groups, self.version, self.eta)
+            for group in dropped:
+                self.log.events.info("dropped_stale", group=group.group_id, version=self.version,
+                                     oldest=group.oldest_version)
+                self._drop(list(group.samples), "stale")
+            if batch:
+                return batch
+            if self._stop.is_set():
+                return None
+            if self._source_done and not self._requests and not self._groups:
+                return None
+            self._batch_ready.clear()
+            await self._batch_ready.wait()
+
+    async def _train_loop(self) -> None:
+        """The finite loop that decides when the run ends."""
+        self._start_eval()
+        while self.step < self.settings.run.max_steps and not self._should_stop():
+            t_wait = time.perf_counter()
+            batch = await self._next_batch()
+            if batch is None:
+                if self._source_done:
+                    self.log.events.info("source_exhausted", step=self.step)
+                break
+            wait_s = time.perf_counter() - t_wait
+            await self._train_step(batch, wait_s)
+            if self.step % self.settings.task.eval_every == 0:
+                self._start_eval()
+        if not any(row["step"] == self.step for row in self._eval_curve) and \
+                not any(t.get_name() == f"eval-{self.step}" for t in self._evals):
+            await self._stop_generating()
+            self._start_eval()
+        if self._evals:
+            await asyncio.gather(*self._evals)
+
+    async def _stop_generating(self) -> None:
+        """No more training rollouts: the final eval gets the rollout worker to itself."""
+        self._closing = True
+        self._dispatcher.cancel()
+        for rid in list(self._requests):
+            await self.rollout.send(wire.Abort(rid))
+
+    def _should_stop(self) -> bool:
+        return self._stop.is_set() or time.perf_counter() - self._t0 >= self.settings.run.max_wall_s
+
+    async def _train_step(self, batch: list[Group], wait_s: float) -> None:
+        samples = [s for g in batch for s in g.samples]
+        stale = [staleness(self.version, s.oldest_version) for s in samples]
+        train_samples = [wire.TrainSample(s.completion.prompt_ids, s.completion.completion_ids,
+                                          s.completion.logprobs, s.completion.versions,
+                                          s.score.reward, s.group_id) for s in samples]
+        self.step += 1
+        self._trained = asyncio.get_running_loop().create_future()
+        self._trainer_busy.up()
+        t0 = time.perf_counter()
+        await self.trainer.send(wire.Train(self.step, self.version, train_samples))
+        trained: wire.Trained = await self._trained
+        self._trainer_busy.down()
+        train_s = time.perf_counter() - t0
+        if trained.version != self.version + 1:
+            raise WorkerFailed("trainer", f"reported version {trained.version} after {self.version}")
+        # Commit: the controller is the only writer of the clock, and tells the rollout worker only now.
+        self.version = trained.version
+        wall = time.perf_counter() - self._t0
+        self._commit_wall[self.version] = wall
+        await self.rollout.send(wire.UpdateWeights(self.version, trained.path))
+        if self.settings.controller.on_interrupt == "restart":
+            for rid in list(self._requests):
+                await self.rollout.send(wire.Abort(rid))
+        # Keep what someone may still load: the newest and the one before (rollout may be mid-load).
+        self.store.retain({self.version, self.version - 1})
+        self.live -= len(samples)
+        self._capacity.set()
+        self.counts.accepted += len(samples)
+        self.counts.trained_tokens += sum(len(s.completion_ids) for s in train_samples)
+        self.counts.staleness_hist.update(stale)
+        self._max_trained_staleness = max(self._max_trained_staleness, *stale)
+        for s, st in zip(samples, stale, strict=True):
+            self._sample_row(s, staleness=st, step=self.step)
+        rewards = [s.score.reward for s in samples]
+        row = {"step": self.step, "version": self.version, "wall_s": round(wall, 3),
+               "train_s": round(train_s, 3), "wait_s": round(wait_s, 3),
+               "reward_mean": sum(rewards) / len(rewards),
+               "pass_rate": sum(s.score.passed for s in samples) / len(samples),
+               "strict_rate": sum(s.score.strict for s in samples) / len(samples),
+               "staleness_max": max(stale), "staleness_mean": sum(stale) / len(stale),
+               "replay_groups": len(self.replay), "in_flight": len(self._requests),
+               **{k: v for k, v in trained.stats.items() if k not in ("step", "version")}}
+        self.log.row("steps", row)
+        self.log.events.info("version_commit", version=self.version, step=self.step)
+        self._publish({"kind": "step", **row})
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _start_eval(self) -> None:
+        task = self._tg.create_task(self._evaluate(self.step, self.version), name=f"eval-{self.step}")
+        self._evals.add(task)
+        task.add_done_callback(self._evals.discard)
+
+    async def _evaluate(self, step: int, version: int) -> None:
+        """Greedy answers on the held-out set; never enters training."""
+        r = self.settings.rollout
+        loop = asyncio.get_running_loop()
+        waiters = []
+        for i, task in enumerate(self._eval_set):
+            rid = f"eval{step}.{i}"
+            fut = loop.create_future()
+            self._eval_waiters[rid] = fut
+            waiters.append((task, fut))
+            self._rollout_busy.up()
+            await self.rollout.send(wire.Generate(rid, task.prompt, r.max_new_tokens, 0.0, 1.0))
+        completions = [await fut for _, fut in waiters]
+        scores = await asyncio.gather(*(self._scorer.score(t, c.text) for (t, _), c in zip(waiters, completions, strict=True)))
+        n = len(scores)
+        self.counts.eval_tokens += sum(len(c.completion_ids) for c in completions)
+        row = {"step": step, "version": version, "wall_s": round(self._commit_wall[version], 3),
+               "done_s": round(time.perf_counter() - self._t0, 3),
+               "pass_rate": sum(s.passed for s in scores) / n, "strict_rate": sum(s.strict for s in scores) / n,
+               "reward_mean": sum(s.reward for s in scores) / n,
+               "versions": [min(c.oldest_version for c in completions), max(c.newest_version for c in completions)]}
+        for (task, _), c, s in zip(waiters, completions, scores, strict=True):
+            self.log.row("samples", {"kind": "eval", "step": step, "task_id": task.id, "prompt": task.prompt,
+                                     "answer": task.answer, "reply": c.text, "reward": s.reward,
+                                     "pass": s.passed, "strict": s.strict, "tokens": len(c.completion_ids)})
+        self._eval_curve.append(row)
+        self.log.events.info("eval", **row)
+        self._publish({"kind": "eval", **row})
+        threshold = self.settings.run.threshold
+        if threshold > 0 and row["pass_rate"] >= threshold:
+            if self._time_to_threshold is None or row["wall_s"] < self._time_to_threshold:
+                self._time_to_threshold = row["wall_s"]
+            self._stop.set()
+
+    # ------------------------------------------------------------------ monitoring
+
+    async def _monitor(self) -> None:
+        last_progress = time.perf_counter()
+        expected = time.perf_counter() + MONITOR_PERIOD_S
+        while True:
+            await asyncio.sleep(MONITOR_PERIOD_S)
+            now = time.perf_counter()
+            self._lag_max = max(self._lag_max, now - expected)
+            expected = now + MONITOR_PERIOD_S
+            if now - self._t0 >= self.settings.run.max_wall_s:
+                self.stop()
+            if now - last_progress >= PROGRESS_PERIOD_S:
+                last_progress = now
+                self.log.events.info("queues", in_flight=len(self._requests), replay_groups=len(self.replay),
+                                     pending_groups=len(self._groups), live=self.live, version=self.version)
+                await self.log.flush()
+                if self.settings.run.progress:
+                    self._progress(now)
+
+    def _progress(self, now: float) -> None:
+        wall = now - self._t0
+        ev = self._eval_curve[-1] if self._eval_curve else None
+        rates = "-" if ev is None else f"{ev['pass_rate']:.2f}/{ev['strict_rate']:.2f}"
+        line = (f"step {self.step}/{self.settings.run.max_steps} v{self.version} eval {rates} "
+                f"stale<= {self._max_trained_staleness} gen {self.counts.gen_tokens / max(wall, 1e-9):.0f} tok/s "
+                f"train {self.counts.trained_tokens / max(wall, 1e-9):.0f} tok/s {wall:.0f}s")
+        print(f"\r{line:<100}", end="", file=sys.stderr, flush=True)
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        self._publish({"kind": "event", "event": event, **fields})
+
+    def _publish(self, item: dict) -> None:
+        for queue in self._subscribers:
+            _put_latest(queue, item)
+
+    def _sample_row(self, s: Sample, *, staleness: int | None = None, step: int | None = None,
+                    dropped: str | None = None) -> None:
+        c = s.completion
+        self.log.row("samples", {
+            "kind": "train", "request_id": s.request_id, "group": s.group_id, "task_id": s.task.id,
+            "prompt": s.task.prompt, "answer": s.task.answer, "reply": c.text if c else None,
+            "reward": s.score.reward if s.score else None, "pass": s.score.passed if s.score else None,
+            "strict": s.score.strict if s.score else None,
+            "reward_failed": s.score.failed if s.score else None,
+            "oldest_version": c.oldest_version if c else None, "newest_version": c.newest_version if c else None,
+            "staleness": staleness, "interrupts": c.interrupts if c else None, "retries": s.retries,
+            "dropped": dropped, "step": step, "tokens": len(c.completion_ids) if c else 0})
+
+    # ------------------------------------------------------------------ summary
+
+    def _summarize(self, error: BaseException | None) -> dict:
+        wall = time.perf_counter() - self._t0 if self._t0 else 0.0
+        c = self.counts
+        unused = c.admitted - c.accepted - c.dropped_stale - c.dropped_interrupt
+        s = self.settings
+        return {
+            "mode": s.run.mode, "max_staleness": _num(self.eta), "objective": s.trainer.objective,
+            "interrupt": s.rollout.interrupt, "seed": s.run.seed, "model": s.model.path,
+            **self._cold_start, "wall_s": round(wall, 3), "steps": self.step, "final_version": self.version,
+            "samples_admitted": c.admitted, "samples_generated": c.generated, "samples_accepted": c.accepted,
+            "samples_dropped_stale": c.dropped_stale, "samples_dropped_interrupt": c.dropped_interrupt,
+            "samples_unused": unused, "interrupts": c.interrupts, "restarts": c.restarts,
+            "reward_failures": c.reward_failures, "max_staleness_trained": self._max_trained_staleness,
+            "staleness_hist": {str(k): v for k, v in sorted(c.staleness_hist.items())},
+            "eval_curve": sorted(self._eval_curve, key=lambda r: r["step"]),
+            "threshold": s.run.threshold or None, "time_to_threshold_s": self._time_to_threshold,
+            "reward_per_1k_tokens": 1000 * c.reward_sum / c.gen_tokens if c.gen_tokens else 0.0,
+            "gen_tokens": c.gen_tokens, "eval_tokens": c.eval_tokens, "trained_tokens": c.trained_tokens,
+            "gen_tokens_per_s": (c.gen_tokens + c.eval_tokens) / wall if wall else 0.0,
+            "train_tokens_per_s": c.trained_tokens / wall if wall else 0.0,
+            "rollout_idle_frac": 1 - self._rollout_busy.seconds() / wall if wall else None,
+            "trainer_idle_frac": 1 - self._trainer_busy.seconds() / wall if wall else None,
+            "loop_lag_max_ms": round(1000 * self._lag_max, 2),
+            "folder": str(self.folder),
+            "error": None if error is None else str(error),
+        }
+
+
+def _num(x: float) -> float | int | None:
+    return None if math.isinf(x) else int(x)
+
+
+def _failure(worker: Any, msg: Any) -> WorkerFailed:
+    if hasattr(worker, "failure"):
+        return worker.failure(msg)
+    if isinstance(msg, wire.Error):
+        return WorkerFailed(worker.role, msg.message, msg.traceback)
+    return WorkerFailed(worker.role, f"unexpected {type(msg).__name__}")
+
+
+def _worker_failure(error: BaseException | None) -> WorkerFailed | None:
+    """The WorkerFailed inside a TaskGroup's ExceptionGroup, if that is what ended the run."""
+    if isinstance(error, WorkerFailed):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for exc in error.exceptions:
+            found = _worker_failure(exc)
+            if found is not None:
+                return found
+    return None
+
+
+def _put_latest(queue: asyncio.Queue, item: Any) -> None:
+    if queue.full():
+        queue.get_nowait()
+    queue.put_nowait(item)

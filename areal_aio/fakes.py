@@ -1,0 +1,164 @@
+"""In-process fake workers with the `WorkerClient` surface: the controller's test seam.
+
+They speak the real wire messages without a model: the fake rollout worker
+emits `tokens` tokens per request, one per `token_delay_s`, each stamped with
+the version it holds at that moment, and follows the interrupt rule of the
+real one (interrupt: switch versions at once; otherwise load only when nothing
+is in flight). Its answer to a prompt comes from `policy(prompt, version)`.
+The fake trainer answers Train after `step_delay_s` with the next version.
+Both record what happened (`log`) so tests can check ordering and overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+from areal_aio import wire
+
+
+def solving_policy(prompt: str, version: int) -> str:
+    """Answers `a + b` correctly once the policy is at version >= 2, tagged from version 4."""
+    numbers = [int(x) for x in re.findall(r"\d+", prompt)[:2]]
+    ops = re.findall(r"\d\s*([-+*/])\s*\d", prompt)
+    value = sum(numbers) if not ops or ops[0] == "+" else numbers[0] - numbers[1]
+    answer = value if version >= 2 else value + 1
+    return f"<answer>{answer}</answer>" if version >= 4 else f"It is {answer}."
+
+
+class FakeRollout:
+    role = "rollout"
+
+    def __init__(self, *, tokens: int = 4, token_delay_s: float = 0.0, interrupt: bool = True,
+                 policy: Callable[[str, int], str] = solving_policy, fail_on: str | None = None) -> None:
+        self.tokens = tokens
+        self.token_delay_s = token_delay_s
+        self.interrupt = interrupt
+        self.policy = policy
+        self.fail_on = fail_on  # a request id whose arrival makes the worker send Error
+        self.version = 0
+        self._pending_update: wire.UpdateWeights | None = None
+        self._out: asyncio.Queue[Any] = asyncio.Queue()
+        self._running: dict[str, asyncio.Task] = {}
+        self._interrupts: dict[str, int] = {}
+        self.log: list[tuple[float, str, Any]] = []
+
+    async def start(self, init: wire.Init) -> wire.Ready:
+        self.interrupt = bool(init.settings["rollout"]["interrupt"])
+        return wire.Ready(role=self.role, pid=os.getpid(), load_s=0.0, device="fake", version=0)
+
+    async def send(self, msg: Any) -> None:
+        match msg:
+            case wire.Generate(request_id=rid):
+                if rid == self.fail_on:
+                    await self._out.put(wire.Error(self.role, "boom", "Traceback: fake failure"))
+                    return
+                self.log.append((time.perf_counter(), "generate", rid))
+                self._interrupts[rid] = 0
+                self._running[rid] = asyncio.create_task(self._generate(msg))
+            case wire.Abort(request_id=rid):
+                task = self._running.pop(rid, None)
+                if task is not None:
+                    task.cancel()
+                    await self._out.put(self._completion(rid, [], [], "abort"))
+            case wire.UpdateWeights():
+                self._pending_update = msg
+                if self.interrupt or not self._running:
+                    await self._load()
+            case wire.Shutdown():
+                await self.stop()
+            case _:
+                raise wire.WireError(f"fake rollout got {msg!r}")
+
+    async def _load(self) -> None:
+        update, self._pending_update = self._pending_update, None
+        if update is None:
+            return
+        for rid in self._running:
+            self._interrupts[rid] += 1
+        self.version = update.version
+        self.log.append((time.perf_counter(), "load", update.version))
+        await self._out.put(wire.WeightsLoaded(version=update.version, load_s=0.0,
+                                               rebuilt=len(self._running)))
+
+    async def _generate(self, msg: wire.Generate) -> None:
+        versions = []
+        for _ in range(self.tokens):
+            await asyncio.sleep(self.token_delay_s)
+            versions.append(self.version)
+        text = self.policy(msg.prompt, versions[-1])
+        self._running.pop(msg.request_id, None)
+        await self._out.put(self._completion(msg.request_id, list(range(len(versions))), versions, "stop", text))
+        self.log.append((time.perf_counter(), "done", msg.request_id))
+        if not self.interrupt and not self._running:
+            await self._load()
+
+    def _completion(self, rid: str, ids: list[int], versions: list[int], finish: str,
+                    text: str = "") -> wire.Completion:
+        return wire.Completion(request_id=rid, prompt_ids=[1, 2, 3], completion_ids=ids,
+                               logprobs=[-1.0] * len(ids), versions=versions, text=text,
+                               finish=finish, interrupts=self._interrupts.pop(rid, 0), gen_s=0.0)
+
+    async def recv(self) -> Any | None:
+        return await self._out.get()
+
+    async def stop(self) -> None:
+        for task in self._running.values():
+            task.cancel()
+        self._running.clear()
+
+
+class FakeTrainer:
+    role = "trainer"
+
+    def __init__(self, *, step_delay_s: float = 0.0, fail_at_step: int | None = None) -> None:
+        self.step_delay_s = step_delay_s
+        self.fail_at_step = fail_at_step
+        self.version = 0
+        self.batches: list[wire.Train] = []
+        self.log: list[tuple[float, str, int]] = []
+        self._out: asyncio.Queue[Any] = asyncio.Queue()
+        self._shm_dir = ""
+        self._task: asyncio.Task | None = None
+
+    async def start(self, init: wire.Init) -> wire.Ready:
+        self._shm_dir = init.shm_dir
+        return wire.Ready(role=self.role, pid=os.getpid(), load_s=0.0, device="fake", version=0)
+
+    async def send(self, msg: Any) -> None:
+        match msg:
+            case wire.Train():
+                if msg.version != self.version:
+                    await self._out.put(wire.Error(self.role, f"version {msg.version} != {self.version}", ""))
+                    return
+                self._task = asyncio.create_task(self._train(msg))
+            case wire.Shutdown():
+                await self.stop()
+            case _:
+                raise wire.WireError(f"fake trainer got {msg!r}")
+
+    async def _train(self, msg: wire.Train) -> None:
+        self.log.append((time.perf_counter(), "start", msg.step))
+        if msg.step == self.fail_at_step:
+            await self._out.put(wire.Error(self.role, "RuntimeError: fake trainer failure",
+                                           "Traceback (most recent call last):\nRuntimeError"))
+            return
+        self.batches.append(msg)
+        await asyncio.sleep(self.step_delay_s)
+        self.version += 1
+        tokens = sum(len(s.completion_ids) for s in msg.samples)
+        self.log.append((time.perf_counter(), "end", msg.step))
+        await self._out.put(wire.Trained(step=msg.step, version=self.version,
+                                         path=os.path.join(self._shm_dir, f"v{self.version}.safetensors"),
+                                         stats={"loss": 0.0, "tokens": tokens, "seconds": self.step_delay_s}))
+
+    async def recv(self) -> Any | None:
+        return await self._out.get()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()

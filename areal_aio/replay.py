@@ -1,0 +1,62 @@
+"""The replay buffer: rewarded groups wait here until a batch takes them.
+
+Oldest first (by the oldest token version, then arrival), every group used
+once. `take` drops groups that became too stale while they waited and returns
+them apart, so the caller can count them; a group is kept, dropped and trained
+whole, because GRPO normalizes within it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal_aio.staleness import is_stale
+
+
+@dataclass(slots=True)
+class Group:
+    """The samples of one prompt, rewarded, ready to train."""
+
+    group_id: int
+    task: Any
+    samples: Sequence[Any]  # each has .oldest_version
+
+    @property
+    def oldest_version(self) -> int:
+        return min(s.oldest_version for s in self.samples)
+
+
+@dataclass(slots=True)
+class ReplayBuffer:
+    _heap: list[tuple[int, int, Group]] = field(default_factory=list)
+    _arrival: itertools.count = field(default_factory=itertools.count)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def put(self, group: Group) -> None:
+        heapq.heappush(self._heap, (group.oldest_version, next(self._arrival), group))
+
+    def drop_stale(self, version: int, eta: float) -> list[Group]:
+        """Remove and return every group whose staleness at `version` exceeds eta."""
+        keep, dropped = [], []
+        for item in self._heap:
+            (dropped if is_stale(version, item[0], eta) else keep).append(item)
+        if dropped:
+            heapq.heapify(keep)
+            self._heap = keep
+        return [item[2] for item in dropped]
+
+    def take(self, n_groups: int, version: int, eta: float) -> tuple[list[Group], list[Group]]:
+        """(batch, dropped): the n oldest fresh groups, or an empty batch if fewer are ready.
+
+        Stale groups are dropped first, so whatever is returned has staleness <= eta at `version`.
+        """
+        dropped = self.drop_stale(version, eta)
+        if len(self._heap) < n_groups:
+            return [], dropped
+        return [heapq.heappop(self._heap)[2] for _ in range(n_groups)], dropped

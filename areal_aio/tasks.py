@@ -1,0 +1,90 @@
+"""Task sources: where prompts and their verifiable answers come from.
+
+A task source is any iterable (or async iterable) of `Task`. Built in:
+  * arithmetic: reasoning-gym's basic_arithmetic, generated offline from a seed
+    (two-term single-digit + and - by default), an endless stream for training
+    and a fixed held-out set drawn from `task.eval_seed` for evaluation;
+  * jsonl: a file of {"prompt": ..., "answer": ...} rows (an optional "id").
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from areal_aio.settings import Settings, TaskSettings
+
+ANSWER_INSTRUCTION = "Give only the final answer inside <answer></answer> tags."
+EPOCH = 10_000
+"""Arithmetic tasks per reseeded epoch of the endless training stream."""
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One prompt with its reference answer; `id` is unique within a source."""
+
+    id: str
+    prompt: str
+    answer: str
+
+
+def arithmetic_prompt(question: str) -> str:
+    return f"{question} {ANSWER_INSTRUCTION}"
+
+
+def _arithmetic(task: TaskSettings, seed: int, size: int, prefix: str) -> Iterator[Task]:
+    import reasoning_gym
+
+    dataset = reasoning_gym.create_dataset(
+        "basic_arithmetic", min_terms=task.terms, max_terms=task.terms, min_digits=task.digits,
+        max_digits=task.digits, operators=tuple(task.operators), allow_parentheses=False,
+        allow_negation=False, seed=seed, size=size)
+    for index in range(size):
+        item = dataset[index]
+        yield Task(id=f"{prefix}{index}", prompt=arithmetic_prompt(item["question"]),
+                   answer=str(item["answer"]))
+
+
+def arithmetic_stream(task: TaskSettings, seed: int) -> Iterator[Task]:
+    """Endless training tasks: epoch e is drawn with seed (seed, e), so a run never repeats a stream."""
+    for epoch in itertools.count():
+        yield from _arithmetic(task, seed * 1_000_003 + epoch, EPOCH, f"t{epoch}-")
+
+
+def read_jsonl(path: str | Path) -> list[Task]:
+    """Tasks from a JSONL file; a malformed row is an error naming its line."""
+    tasks = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = orjson.loads(line)
+            tasks.append(Task(id=str(row.get("id", number)), prompt=str(row["prompt"]),
+                              answer=str(row["answer"])))
+        except (orjson.JSONDecodeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"{path}:{number}: expected an object with prompt and answer ({exc})") from None
+    if not tasks:
+        raise ValueError(f"{path}: no tasks")
+    return tasks
+
+
+def training_tasks(settings: Settings) -> Iterator[Task]:
+    """The default training stream of `settings` (endless: jsonl files are cycled)."""
+    if settings.task.name == "jsonl":
+        rows = read_jsonl(settings.task.path)
+        held_out = settings.task.eval_size if len(rows) > settings.task.eval_size else 0
+        return itertools.cycle(rows[:len(rows) - held_out])
+    return arithmetic_stream(settings.task, settings.run.seed)
+
+
+def eval_tasks(settings: Settings) -> list[Task]:
+    """The held-out eval set: a different seed for arithmetic; the file's last rows for jsonl
+    (held out of training when the file has more rows than task.eval_size)."""
+    if settings.task.name == "jsonl":
+        rows = read_jsonl(settings.task.path)
+        return rows[-settings.task.eval_size:]
+    return list(_arithmetic(settings.task, settings.task.eval_seed, settings.task.eval_size, "e"))
