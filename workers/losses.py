@@ -1,0 +1,121 @@
+"""The losses: advantages, the three policy objectives and the k3 KL, as pure torch functions.
+
+Everything here works on flat per-token tensors of one micro-batch (T = number of
+completion tokens in it) or per-sequence tensors of one batch (B = sequences), so
+it is testable by hand on tiny tensors and knows nothing about models or pipes.
+
+    advantages(rewards[B], groups[B])                       -> adv[B]
+    token_loss(logp[T], behav[T], prox[T], adv[T], ...)    -> loss[T], TokenStats
+    k3_kl(logp[T], ref[T])                                  -> kl[T]
+
+Aggregation is the caller's (workers/trainer.py): token-level, i.e. the sum of
+token losses over the mini-batch divided by its number of completion tokens,
+which is also Dr. GRPO's "no per-sequence length normalization".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ADV_EPS = 1e-6
+"""Added to the std before dividing: a group whose rewards are all equal gets advantage 0, not NaN."""
+OBJECTIVES = ("pg", "ppo", "decoupled_ppo")
+ADVANTAGES = ("grpo", "drgrpo", "batch")
+CAP_MODES = ("mask", "clamp")
+
+
+def advantages(rewards: torch.Tensor, groups: torch.Tensor, kind: str = "grpo",
+               eps: float = ADV_EPS) -> torch.Tensor:
+    """Per-sequence advantages [B] from rewards [B] and group ids [B].
+
+    grpo:   (r - group mean) / (group std + eps)   (Shao et al. 2024)
+    drgrpo: r - group mean; no std division, which biases toward
+            low-variance prompts (Liu et al. 2025, "Dr. GRPO")
+    batch:  (r - batch mean) / (batch std + eps)   (groups ignored)
+
+    The std is the population std (divide by n): a group of one sample has
+    std 0 and advantage 0 instead of NaN.
+    """
+    if kind not in ADVANTAGES:
+        raise ValueError(f"advantage kind {kind!r}; choose one of {', '.join(ADVANTAGES)}")
+    r = rewards.to(torch.float64)
+    if kind == "batch":
+        return ((r - r.mean()) / (r.std(unbiased=False) + eps)).to(torch.float32)
+    _, inverse = torch.unique(groups, return_inverse=True)  # inverse[B]: dense group index
+    n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    count = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, inverse, torch.ones_like(r))
+    mean = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, inverse, r) / count  # [G]
+    centred = r - mean[inverse]  # [B]
+    if kind == "drgrpo":
+        return centred.to(torch.float32)
+    var = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, inverse, centred * centred) / count
+    return (centred / (var.sqrt()[inverse] + eps)).to(torch.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenStats:
+    """Per-token diagnostics of one micro-batch, all [T] and detached."""
+
+    ratio: torch.Tensor  # the ratio the objective clips (vs behav for ppo/pg, vs prox for decoupled)
+    clipped: torch.Tensor  # bool: the clip zeroed this token's gradient
+    behav_w: torch.Tensor  # pi_prox / pi_behav before capping
+    capped: torch.Tensor  # bool: behav_w > behav_cap (masked or clamped)
+
+
+def token_loss(logp: torch.Tensor, behav: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor, *,
+               objective: str, clip_eps: float = 0.2, clip_eps_high: float | None = None,
+               behav_cap: float = 5.0, cap_mode: str = "mask") -> tuple[torch.Tensor, TokenStats]:
+    """Per-token policy loss [T] (to be summed and divided by the mini-batch's token count).
+
+    logp  [T]: log pi_theta(token), with grad (the policy being updated)
+    behav [T]: log pi_behav(token), the sampler's log-probs (from the rollout worker)
+    prox  [T]: log pi_prox(token), the trainer's weights before this step (recomputed, no grad)
+    adv   [T]: the sequence's advantage repeated on each of its tokens
+
+    pg:            -A * logp
+    ppo:           -min(r A, clip(r, 1-eps, 1+eps_high) A),  r = pi_theta / pi_behav
+    decoupled_ppo: -w * min(r A, clip(r, ...) A),  r = pi_theta / pi_prox,
+                   w = pi_prox / pi_behav (no grad), tokens with w > behav_cap
+                   masked (w = 0) or clamped (w = behav_cap)  (Fu et al. 2025, AReaL)
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
+    if cap_mode not in CAP_MODES:
+        raise ValueError(f"cap_mode {cap_mode!r}; choose one of {', '.join(CAP_MODES)}")
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    behav_w = torch.exp(prox - behav).detach()
+    capped = behav_w > behav_cap
+    if objective == "pg":
+        ratio = torch.exp(logp.detach() - behav)
+        no_clip = torch.zeros_like(capped)
+        return -adv * logp, TokenStats(ratio, no_clip, behav_w, torch.zeros_like(capped))
+    anchor = behav if objective == "ppo" else prox
+    ratio = torch.exp(logp - anchor)
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * adv)
+    ratio_d = ratio.detach()
+    clipped = ((ratio_d < 1.0 - clip_eps) & (adv < 0)) | ((ratio_d > 1.0 + high) & (adv > 0))
+    if objective == "ppo":
+        return -surrogate, TokenStats(ratio_d, clipped, behav_w, torch.zeros_like(capped))
+    if cap_mode == "mask":
+        weight = torch.where(capped, torch.zeros_like(behav_w), behav_w)
+    else:
+        weight = torch.clamp(behav_w, max=behav_cap)
+    return -weight * surrogate, TokenStats(ratio_d, clipped, behav_w, capped)
+
+
+def k3_kl(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(pi_theta || pi_ref) per token [T]: exp(ref - logp) - (ref - logp) - 1.
+
+    Unbiased for samples of pi_theta and never negative (Schulman 2020); the
+    gradient flows through logp only.
+    """
+    d = ref - logp
+    return torch.expm1(d) - d  # expm1: no cancellation when d is tiny (the usual case)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy [T] of each row of logits [T, V] (already temperature-scaled), in nats."""
+    logz = torch.logsumexp(logits, dim=-1)  # [T]
+    return logz - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)

@@ -1,0 +1,371 @@
+"""The trainer worker: holds the trainable policy and its optimizer, takes one update per Train.
+
+    Train(step, version, samples)                        (version must be ours)
+      |  advantages per sequence (grpo | drgrpo | batch)            losses.advantages
+      |  split into `minibatches`, each into token-budget micro-batches  packing
+      |  prox logp: this version's weights, no grad, same micro-batches
+      |      (and ref logp from a frozen copy of v0 when kl_ref = "ref")
+      |  per mini-batch: forward micro-batches, token losses, sum / tokens,
+      |      backward (grads accumulate), clip grad norm, AdamW step
+      v  publish v<version+1> in the rollout dtype, version += 1
+    Trained(step, version + 1, path, stats)
+
+Run as `python -m workers.trainer` (workers.common.serve speaks the pipe), or
+use `Trainer` in-process (tests, benchmarks).
+
+Log-probs are taken under the sampling distribution: logits / rollout
+temperature, as the rollout worker reports them, so pi_prox and pi_behav of
+the same weights agree (`mismatch_kl` ~ 0 in fp32). The model stays in eval
+mode while training: dropout would make pi_theta differ from pi_prox at equal
+weights and turn the PPO ratio into noise. Only the completion positions go
+through the LM head ([T, V] instead of [n, L, V]): prompt logits are never
+needed and the head is the largest activation of a small model.
+
+Stats (all plain floats/ints, token means unless named otherwise): loss,
+entropy, clip_frac, ratio_min/mean/max, behav_w_min/mean/max (pi_prox /
+pi_behav), capped_frac, grad_norm (mean pre-clip norm over mini-batches), kl
+(k3, only when kl_coef > 0), tokens, seqs, seconds, prox_s, publish_s,
+mismatch_kl (k3 KL(behav || prox) over tokens sampled by exactly this version;
+None when there are none), reward_mean, adv_abs_mean.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from areal_aio import wire
+from areal_aio.weight_store import WeightStore
+from workers import losses
+from workers.common import EOF, Channel, configure_torch, serve
+from workers.models import load_model
+from workers.packing import micro_batches
+
+HEAD_CHECK_ATOL = 1e-4
+"""Hidden-state path vs the model's own logits at init: fp32 agreement well inside this means
+the model's logits are exactly lm_head(last hidden) (no scaling we do not know about)."""
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """Padded inputs of a few sequences and where their completion tokens sit.
+
+    input_ids, attention_mask, select: [n, L]; select marks the positions whose
+    logits predict a completion token (position p-1+j predicts completion token j).
+    targets, behav, adv: [T] with T = select.sum(), in row-major order of select.
+    """
+
+    index: list[int]  # sample indices in the batch
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    select: torch.Tensor
+    targets: torch.Tensor
+    behav: torch.Tensor
+    adv: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return int(self.targets.numel())
+
+
+def build_micro_batch(samples: list[wire.TrainSample], index: list[int], adv: torch.Tensor,
+                      pad_id: int, device: str) -> MicroBatch:
+    """Right-padded tensors of samples[index]; adv [B] is per sequence of the whole batch."""
+    lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in index]
+    n, width = len(index), max(lengths)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    select = torch.zeros((n, width), dtype=torch.bool)
+    targets, behav, tok_adv = [], [], []
+    for row, i in enumerate(index):
+        s = samples[i]
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[row, :p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
+        attention_mask[row, :p + c] = 1
+        select[row, p - 1:p + c - 1] = True
+        targets.extend(s.completion_ids)
+        behav.extend(s.logprobs)
+        tok_adv.extend([float(adv[i])] * c)
+    return MicroBatch(
+        index=list(index),
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        select=select.to(device),
+        targets=torch.tensor(targets, dtype=torch.long, device=device),
+        behav=torch.tensor(behav, dtype=torch.float32, device=device),
+        adv=torch.tensor(tok_adv, dtype=torch.float32, device=device),
+    )
+
+
+def check_samples(samples: list[wire.TrainSample]) -> None:
+    """Reject malformed samples before any weight changes (a clear error, not a shape error)."""
+    if not samples:
+        raise ValueError("Train with no samples")
+    for i, s in enumerate(samples):
+        if not s.prompt_ids:
+            raise ValueError(f"sample {i}: empty prompt (the first completion token needs a context)")
+        if not (len(s.completion_ids) == len(s.logprobs) == len(s.versions)):
+            raise ValueError(f"sample {i}: {len(s.completion_ids)} completion ids, "
+                             f"{len(s.logprobs)} logprobs, {len(s.versions)} versions")
+
+
+class _Stats:
+    """Running sums over the tokens of one update."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.loss: list[float] = []
+        self.grad_norm: list[float] = []
+        self.entropy = self.clipped = self.kl = self.ratio_sum = 0.0
+        self.ratio_min, self.ratio_max = math.inf, -math.inf
+
+    def add(self, st: losses.TokenStats, entropy: torch.Tensor, kl: torch.Tensor | None) -> None:
+        if st.ratio.numel() == 0:
+            return
+        self.tokens += st.ratio.numel()
+        self.entropy += float(entropy.sum())
+        self.clipped += float(st.clipped.sum())
+        self.ratio_sum += float(st.ratio.sum())
+        self.ratio_min = min(self.ratio_min, float(st.ratio.min()))
+        self.ratio_max = max(self.ratio_max, float(st.ratio.max()))
+        if kl is not None:
+            self.kl += float(kl.detach().sum())
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+class Trainer:
+    """The trainable policy, its optimizer and the weight store; one `train` call per update."""
+
+    def __init__(self, settings: dict[str, Any], shm_dir: str | Path,
+                 model: Any = None, tokenizer: Any = None) -> None:
+        """`settings` is Settings.to_dict(); pass `model`/`tokenizer` to skip loading (tests)."""
+        if hasattr(settings, "to_dict"):
+            settings = settings.to_dict()
+        self.cfg = dict(settings["trainer"])
+        self.device = self.cfg["device"]
+        self.temperature = float(settings["rollout"]["temperature"])
+        self.publish_dtype = getattr(torch, settings["rollout"]["dtype"])
+        if model is None:
+            model, tokenizer = load_model(settings["model"]["path"], seed=settings["run"]["seed"],
+                                          dtype="float32", device=self.device)
+        self.model = model.float().to(self.device)
+        self.model.eval()  # see module docstring: no dropout in an RL update
+        self.model.config.use_cache = False
+        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        self.pad_id = int(pad) if pad is not None else 0
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=self.cfg["lr"],
+                                     weight_decay=self.cfg["weight_decay"])
+        self.ref = None
+        if self.cfg["kl_coef"] > 0 and self.cfg["kl_ref"] == "ref":
+            self.ref = copy.deepcopy(self.model).requires_grad_(False)  # frozen v0
+        self.store = WeightStore(shm_dir)
+        self.version = 0
+        self._fast_head = self._check_head()
+
+    # ---- forward -------------------------------------------------------------------------
+
+    def _autocast(self) -> Any:
+        if not self.cfg["bf16"]:
+            return nullcontext()
+        return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16)
+
+    def _logits(self, model: Any, mb: MicroBatch, fast: bool | None = None) -> torch.Tensor:
+        """Temperature-scaled fp32 logits [T, V] at the completion positions of `mb`."""
+        fast = self._fast_head if fast is None else fast
+        if fast:
+            hidden = model.base_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                                      use_cache=False).last_hidden_state  # [n, L, H]
+            logits = model.get_output_embeddings()(hidden[mb.select])  # [T, V]
+            cap = getattr(model.config, "final_logit_softcapping", None)
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+        else:
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                           use_cache=False).logits[mb.select]  # [n, L, V] -> [T, V]
+        return logits.float() / self.temperature
+
+    def _check_head(self) -> bool:
+        """True when lm_head(last hidden) reproduces the model's logits (then prompts skip the head)."""
+        ids = torch.tensor([[1, 2, 3, 4]], device=self.device)
+        mb = MicroBatch([0], ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool),
+                        ids[0], ids[0].float(), ids[0].float())
+        with torch.no_grad():
+            fast = self._logits(self.model, mb, fast=True)
+            full = self._logits(self.model, mb, fast=False)
+        return bool(torch.allclose(fast, full, atol=HEAD_CHECK_ATOL))
+
+    @staticmethod
+    def _token_logp(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """log-softmax of logits [T, V] at targets [T] -> [T], without a second [T, V] tensor."""
+        return logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+
+    @torch.no_grad()
+    def logprobs(self, mb: MicroBatch, model: Any = None) -> torch.Tensor:
+        """log pi(token) [T] of `mb`'s completion tokens under `model` (default: the policy)."""
+        with self._autocast():
+            logits = self._logits(self.model if model is None else model, mb)
+        return self._token_logp(logits, mb.targets)
+
+    # ---- one update ----------------------------------------------------------------------
+
+    def train(self, msg: wire.Train) -> wire.Trained:
+        """One PPO-family update on msg.samples, then publish v<version+1> and return Trained."""
+        t0 = time.perf_counter()
+        if msg.version != self.version:
+            raise ValueError(f"Train step {msg.step}: controller says version {msg.version}, "
+                             f"the trainer holds version {self.version}")
+        samples = msg.samples
+        check_samples(samples)
+        cfg = self.cfg
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        groups = torch.tensor([s.group for s in samples], dtype=torch.long)
+        adv = losses.advantages(rewards, groups, cfg["advantage"])  # [B]
+
+        # Mini-batches are consecutive slices (groups stay together when B divides evenly);
+        # prox uses the very micro-batches the update uses, so at equal weights the
+        # decoupled ratio is exactly 1, even under bf16.
+        n_mini = min(cfg["minibatches"], len(samples))
+        bounds = [round(k * len(samples) / n_mini) for k in range(n_mini + 1)]
+        plan: list[list[MicroBatch]] = []
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids)
+                       for i in range(lo, hi)]
+            plan.append([build_micro_batch(samples, [lo + j for j in mb], adv, self.pad_id, self.device)
+                         for mb in micro_batches(lengths, cfg["micro_tokens"])])
+
+        t_prox = time.perf_counter()
+        prox: dict[int, torch.Tensor] = {}  # id(micro-batch) -> [T]
+        ref: dict[int, torch.Tensor] = {}
+        for mb in (mb for mini in plan for mb in mini):
+            prox[id(mb)] = self.logprobs(mb)
+            if self.ref is not None:
+                ref[id(mb)] = self.logprobs(mb, self.ref)
+        prox_s = time.perf_counter() - t_prox
+
+        stats = _Stats()
+        for mini in plan:
+            total = sum(mb.tokens for mb in mini)
+            if total == 0:
+                continue
+            self.opt.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for mb in mini:
+                if mb.tokens == 0:
+                    continue
+                with self._autocast():
+                    logits = self._logits(self.model, mb)  # [T, V] fp32
+                logp = self._token_logp(logits, mb.targets)  # [T]
+                tok_loss, st = losses.token_loss(
+                    logp, mb.behav, prox[id(mb)], mb.adv, objective=cfg["objective"],
+                    clip_eps=cfg["clip_eps"], clip_eps_high=cfg["clip_eps_high"],
+                    behav_cap=cfg["behav_cap"], cap_mode=cfg["cap_mode"])
+                kl = None
+                if cfg["kl_coef"] > 0:
+                    anchor = ref[id(mb)] if self.ref is not None else mb.behav
+                    kl = losses.k3_kl(logp, anchor)
+                    tok_loss = tok_loss + cfg["kl_coef"] * kl
+                loss = tok_loss.sum() / total  # token-level aggregation over the mini-batch
+                loss.backward()
+                loss_sum += float(loss.detach())
+                with torch.no_grad():
+                    stats.add(st, losses.entropy_from_logits(logits.detach()), kl)
+                del logits, logp, tok_loss, loss
+            max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else math.inf
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            self.opt.step()
+            stats.loss.append(loss_sum)
+            stats.grad_norm.append(float(norm))
+        self.opt.zero_grad(set_to_none=True)
+
+        t_pub = time.perf_counter()
+        path = self.store.publish(self.model, self.version + 1, dtype=self.publish_dtype)
+        publish_s = time.perf_counter() - t_pub
+        self.version += 1
+
+        out = self._summary(samples, plan, prox, stats, adv, rewards)
+        out.update(seconds=time.perf_counter() - t0, prox_s=prox_s, publish_s=publish_s)
+        if cfg["kl_coef"] <= 0:
+            out.pop("kl")
+        return wire.Trained(step=msg.step, version=self.version, path=str(path), stats=out)
+
+    def _summary(self, samples: list[wire.TrainSample], plan: list[list[MicroBatch]],
+                 prox: dict[int, torch.Tensor], stats: _Stats, adv: torch.Tensor,
+                 rewards: torch.Tensor) -> dict[str, Any]:
+        """Plain-number stats of one update (orjson-ready)."""
+        cfg = self.cfg
+        mbs = [mb for mini in plan for mb in mini if mb.tokens]
+        if mbs:
+            behav = torch.cat([mb.behav for mb in mbs]).double()
+            prox_all = torch.cat([prox[id(mb)] for mb in mbs]).double()
+            # version of each token, in the same order as behav/prox
+            versions = torch.tensor([v for mb in mbs for i in mb.index for v in samples[i].versions])
+        else:
+            behav = prox_all = torch.zeros(0, dtype=torch.float64)
+            versions = torch.zeros(0, dtype=torch.long)
+        w = torch.exp(prox_all - behav)
+        capped = (w > cfg["behav_cap"]) if cfg["objective"] == "decoupled_ppo" else torch.zeros_like(w, dtype=torch.bool)
+        own = versions == self.version - 1  # tokens sampled by the weights prox was computed with
+        r = (prox_all - behav)[own]
+        n = stats.tokens
+        return {
+            "loss": _mean(stats.loss),
+            "entropy": stats.entropy / n if n else 0.0,
+            "clip_frac": stats.clipped / n if n else 0.0,
+            "ratio_min": stats.ratio_min if n else 1.0,
+            "ratio_mean": stats.ratio_sum / n if n else 1.0,
+            "ratio_max": stats.ratio_max if n else 1.0,
+            "behav_w_min": float(w.min()) if w.numel() else 1.0,
+            "behav_w_mean": float(w.mean()) if w.numel() else 1.0,
+            "behav_w_max": float(w.max()) if w.numel() else 1.0,
+            "capped_frac": float(capped.double().mean()) if w.numel() else 0.0,
+            "grad_norm": _mean(stats.grad_norm),
+            "kl": stats.kl / n if n else 0.0,
+            "tokens": int(n),
+            "seqs": len(samples),
+            "mismatch_kl": float((torch.expm1(r) - r).mean()) if r.numel() else None,
+            "reward_mean": float(rewards.mean()),
+            "adv_abs_mean": float(adv.abs().mean()),
+        }
+
+    # ---- process loop --------------------------------------------------------------------
+
+    def run(self, channel: Channel) -> None:
+        """Serve Train messages until Shutdown or the end of the pipe."""
+        while True:
+            msg = channel.recv()
+            match msg:
+                case wire.Train():
+                    channel.send(self.train(msg))
+                case wire.Shutdown():
+                    return
+                case _ if msg is EOF:
+                    return
+                case _:
+                    raise wire.WireError(f"trainer: unexpected {type(msg).__name__}")
+
+
+def build(init: wire.Init) -> Trainer:
+    """serve()'s factory: give the process its cores/device, then load the policy."""
+    t = init.settings["trainer"]
+    configure_torch(t["device"], t["threads"])
+    torch.manual_seed(init.settings["run"]["seed"])
+    return Trainer(init.settings, init.shm_dir)
+
+
+def main() -> int:
+    return serve("trainer", build)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
