@@ -1,0 +1,162 @@
+"""workers/losses.py against values worked out by hand on tiny tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from workers import losses
+
+EPS = losses.ADV_EPS
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+# ---- advantages ----------------------------------------------------------------------------
+
+def test_grpo_normalizes_within_each_group() -> None:
+    # group 0: rewards 1, 0 -> mean .5, std .5; group 1: 3, 1, 2 -> mean 2, std sqrt(2/3)
+    adv = losses.advantages(t(1, 0, 3, 1, 2), torch.tensor([0, 0, 1, 1, 1]), "grpo")
+    s1 = math.sqrt(2 / 3)
+    expected = [0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS), 1 / (s1 + EPS), -1 / (s1 + EPS), 0.0]
+    assert adv.tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_grpo_groups_need_not_be_contiguous() -> None:
+    a = losses.advantages(t(1, 5, 0, 7), torch.tensor([3, 9, 3, 9]), "grpo")
+    b = losses.advantages(t(1, 0, 5, 7), torch.tensor([3, 3, 9, 9]), "grpo")
+    assert a[[0, 2, 1, 3]].tolist() == pytest.approx(b.tolist())
+    assert a.tolist() == pytest.approx([1, -1, -1, 1], abs=1e-5)
+
+
+def test_drgrpo_only_centres() -> None:
+    adv = losses.advantages(t(1, 0, 3, 1, 2), torch.tensor([0, 0, 1, 1, 1]), "drgrpo")
+    assert adv.tolist() == pytest.approx([0.5, -0.5, 1, -1, 0])
+
+
+def test_batch_normalizes_over_everything() -> None:
+    r = [1.0, 0.0, 1.0, 1.0]
+    adv = losses.advantages(t(*r), torch.tensor([0, 0, 1, 1]), "batch")
+    std = math.sqrt(sum((x - 0.75) ** 2 for x in r) / 4)
+    assert adv.tolist() == pytest.approx([(x - 0.75) / (std + EPS) for x in r], abs=1e-6)
+
+
+@pytest.mark.parametrize("kind", losses.ADVANTAGES)
+def test_zero_spread_gives_zero_advantage_not_nan(kind: str) -> None:
+    adv = losses.advantages(t(0.7, 0.7, 0.7, 0.7), torch.tensor([0, 0, 1, 1]), kind)
+    assert adv.tolist() == [0.0, 0.0, 0.0, 0.0]
+    single = losses.advantages(t(0.3), torch.tensor([5]), kind)  # a group of one
+    assert single.tolist() == [0.0]
+
+
+def test_unknown_advantage_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="grpo"):
+        losses.advantages(t(1, 0), torch.tensor([0, 0]), "gae")
+
+
+# ---- objectives ------------------------------------------------------------------------------
+
+def _grad(loss: torch.Tensor, logp: torch.Tensor) -> list[float]:
+    loss.sum().backward()
+    return logp.grad.tolist()
+
+
+def test_pg_is_minus_advantage_times_logp() -> None:
+    logp = t(-1.0, -2.0).requires_grad_()
+    loss, st = losses.token_loss(logp, t(-1.0, -1.0), t(-1.0, -1.0), t(1.0, -2.0), objective="pg")
+    assert loss.tolist() == pytest.approx([1.0, -4.0])
+    assert st.ratio.tolist() == pytest.approx([1.0, math.exp(-1.0)])
+    assert not st.clipped.any() and not st.capped.any()
+    assert _grad(loss, logp) == pytest.approx([-1.0, 2.0])
+
+
+def test_ppo_clips_against_behaviour() -> None:
+    # ratios vs behav (= 0): in range, above 1+eps_high with A>0, below 1-eps with A<0,
+    # in range with A<0, below 1-eps with A>0 (not clipped: min keeps r*A), above with A<0.
+    r = [1.1, 1.5, 0.5, 0.9, 0.5, 1.5]
+    a = [1.0, 1.0, -1.0, -1.0, 1.0, -1.0]
+    logp = torch.log(t(*r)).requires_grad_()
+    zeros = torch.zeros(6)
+    loss, st = losses.token_loss(logp, zeros, zeros - 3.0, t(*a), objective="ppo",
+                                 clip_eps=0.2, clip_eps_high=0.28)
+    assert loss.tolist() == pytest.approx([-1.1, -1.28, 0.8, 0.9, -0.5, 1.5], abs=1e-6)
+    assert st.clipped.tolist() == [False, True, True, False, False, False]
+    assert st.ratio.tolist() == pytest.approx(r)
+    # d loss / d logp = -r*A where unclipped, 0 where the clip is active
+    assert _grad(loss, logp) == pytest.approx([-1.1, 0.0, 0.0, 0.9, -0.5, 1.5], abs=1e-6)
+
+
+def test_ppo_symmetric_clip_without_eps_high() -> None:
+    logp = torch.log(t(1.25)).requires_grad_()
+    loss, st = losses.token_loss(logp, t(0.0), t(0.0), t(1.0), objective="ppo", clip_eps=0.2)
+    assert loss.tolist() == pytest.approx([-1.2])
+    assert st.clipped.tolist() == [True]
+
+
+def _decoupled(cap_mode: str) -> tuple[torch.Tensor, losses.TokenStats, list[float]]:
+    # behav = 0; prox: w = pi_prox/pi_behav = 1, 2, 6, 0.5; ratio vs prox = 1.1, 1.5, 1.0, 0.9
+    prox = torch.log(t(1.0, 2.0, 6.0, 0.5))
+    logp = (prox + torch.log(t(1.1, 1.5, 1.0, 0.9))).detach().requires_grad_()
+    loss, st = losses.token_loss(logp, torch.zeros(4), prox, t(1.0, 1.0, 1.0, -1.0),
+                                 objective="decoupled_ppo", clip_eps=0.2, clip_eps_high=0.28,
+                                 behav_cap=5.0, cap_mode=cap_mode)
+    return loss, st, _grad(loss, logp)
+
+
+def test_decoupled_ppo_mask_drops_tokens_over_the_cap() -> None:
+    loss, st, grad = _decoupled("mask")
+    # token 0: -1 * 1.1; token 1: clipped at 1.28, weight 2; token 2: w 6 > 5 masked;
+    # token 3: A<0, r .9 in range: -(0.5 * -0.9)
+    assert loss.tolist() == pytest.approx([-1.1, -2.56, 0.0, 0.45], abs=1e-6)
+    assert st.capped.tolist() == [False, False, True, False]
+    assert st.clipped.tolist() == [False, True, False, False]
+    assert st.ratio.tolist() == pytest.approx([1.1, 1.5, 1.0, 0.9], abs=1e-6)
+    assert st.behav_w.tolist() == pytest.approx([1.0, 2.0, 6.0, 0.5], abs=1e-6)
+    assert grad == pytest.approx([-1.1, 0.0, 0.0, 0.45], abs=1e-6)  # -w r A, w held constant
+
+
+def test_decoupled_ppo_clamp_caps_the_weight() -> None:
+    loss, st, grad = _decoupled("clamp")
+    assert loss.tolist() == pytest.approx([-1.1, -2.56, -5.0, 0.45], abs=1e-6)
+    assert st.capped.tolist() == [False, False, True, False]
+    assert grad == pytest.approx([-1.1, 0.0, -5.0, 0.45], abs=1e-6)
+
+
+def test_decoupled_equals_ppo_when_prox_is_behav() -> None:
+    logp, behav, adv = t(-0.9, -2.0, -0.2), t(-1.0, -1.5, -0.1), t(1.0, -1.0, 0.5)
+    dec, _ = losses.token_loss(logp, behav, behav, adv, objective="decoupled_ppo")
+    ppo, _ = losses.token_loss(logp, behav, behav, adv, objective="ppo")
+    assert dec.tolist() == pytest.approx(ppo.tolist())
+
+
+def test_unknown_objective_and_cap_mode_are_refused() -> None:
+    x = t(0.0)
+    with pytest.raises(ValueError, match="decoupled_ppo"):
+        losses.token_loss(x, x, x, x, objective="grpo")
+    with pytest.raises(ValueError, match="clamp"):
+        losses.token_loss(x, x, x, x, objective="decoupled_ppo", cap_mode="drop")
+
+
+# ---- k3 KL and entropy ------------------------------------------------------------------------
+
+def test_k3_by_hand() -> None:
+    # pi = .5, ref = 1: d = ln 2, k3 = 2 - ln 2 - 1;  pi = 1, ref = .5: d = -ln 2, k3 = .5 + ln 2 - 1
+    kl = losses.k3_kl(torch.log(t(0.5, 1.0, 0.3)), torch.log(t(1.0, 0.5, 0.3)))
+    assert kl.tolist() == pytest.approx([1 - math.log(2), math.log(2) - 0.5, 0.0], abs=1e-7)
+
+
+def test_k3_is_never_negative_and_tiny_for_tiny_gaps() -> None:
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
+    assert (losses.k3_kl(a, b) >= 0).all()
+    d = torch.tensor([1e-6], dtype=torch.float64)
+    assert losses.k3_kl(torch.zeros(1, dtype=torch.float64), d).item() == pytest.approx(5e-13, rel=1e-3)
+
+
+def test_entropy_of_uniform_and_peaked_rows() -> None:
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]])
+    assert losses.entropy_from_logits(logits).tolist() == pytest.approx([math.log(4), 0.0], abs=1e-6)
