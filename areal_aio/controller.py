@@ -500,11 +500,14 @@ class Orchestrator:
         scores = await asyncio.gather(*(self._scorer.score(t, c.text) for (t, _), c in zip(waiters, completions, strict=True)))
         n = len(scores)
         self.counts.eval_tokens += sum(len(c.completion_ids) for c in completions)
-        row = {"step": step, "version": version, "wall_s": round(self._commit_wall[version], 3),
+        # With interrupts on, an eval answer can finish under newer weights than it started with;
+        # the row is stamped with the newest version used, at the time that version was committed.
+        newest = max(version, *(c.newest_version for c in completions))
+        row = {"step": step, "version": newest, "wall_s": round(self._commit_wall[newest], 3),
                "done_s": round(time.perf_counter() - self._t0, 3),
                "pass_rate": sum(s.passed for s in scores) / n, "strict_rate": sum(s.strict for s in scores) / n,
                "reward_mean": sum(s.reward for s in scores) / n,
-               "versions": [min(c.oldest_version for c in completions), max(c.newest_version for c in completions)]}
+               "versions": [min(c.oldest_version for c in completions), newest]}
         for (task, _), c, s in zip(waiters, completions, scores, strict=True):
             self.log.row("samples", {"kind": "eval", "step": step, "task_id": task.id, "prompt": task.prompt,
                                      "answer": task.answer, "reply": c.text, "reward": s.reward,

@@ -1,0 +1,261 @@
+"""Controller logic against in-process fake workers (milliseconds per run)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import orjson
+import pytest
+
+from areal_aio.client import WorkerFailed
+from areal_aio.controller import Orchestrator
+from areal_aio.fakes import FakeRollout, FakeTrainer
+from areal_aio.settings import build_settings
+from areal_aio.tasks import Task, arithmetic_prompt
+
+
+def tasks(n: int | None = None, start: int = 0):
+    i = start
+    while n is None or i < start + n:
+        a, b = i % 10, (i * 7) % 10
+        yield Task(id=f"t{i}", prompt=arithmetic_prompt(f"Calculate {a} + {b}."), answer=str(a + b))
+        i += 1
+
+
+def make_settings(mode: str = "areal", **overrides):
+    raw = {
+        "run": {"mode": mode, "max_steps": 6, "progress": False},
+        "model": {"path": "embedded:tiny-random"},
+        "task": {"eval_size": 4, "eval_every": 2},
+        "rollout": {"group_size": 2},
+        "trainer": {"batch_size": 4},
+        "controller": {"reward_procs": 0},
+    }
+    sets = [f"{k}={orjson.dumps(v).decode()}" for k, v in overrides.items()]
+    return build_settings(raw, sets)
+
+
+def orchestrator(tmp_path, settings, rollout=None, trainer=None, **kw):
+    return Orchestrator(settings, tasks=kw.pop("tasks", tasks()), eval_set=list(tasks(4, start=100)),
+                        out_dir=tmp_path / "run", rollout=rollout or FakeRollout(),
+                        trainer=trainer or FakeTrainer(), **kw)
+
+
+class JitteryRollout(FakeRollout):
+    """Each request sleeps a random time per token: groups finish out of order."""
+
+    def __init__(self, seed: int, **kw) -> None:
+        super().__init__(**kw)
+        self.rng = random.Random(seed)
+
+    async def _generate(self, msg):
+        self.token_delay_s = self.rng.choice([0.0, 0.0005, 0.002, 0.006])
+        await super()._generate(msg)
+
+
+def trained_staleness(trainer: FakeTrainer) -> list[int]:
+    return [b.version - min(s.versions) for b in trainer.batches for s in b.samples]
+
+
+async def test_run_completes_and_counts_add_up(tmp_path):
+    trainer = FakeTrainer()
+    orch = orchestrator(tmp_path, make_settings("areal"), trainer=trainer)
+    summary = await orch.run()
+    assert summary["steps"] == 6 and summary["final_version"] == 6
+    assert summary["samples_admitted"] == (summary["samples_accepted"] + summary["samples_dropped_stale"]
+                                           + summary["samples_dropped_interrupt"] + summary["samples_unused"])
+    assert summary["samples_accepted"] == 6 * 4
+    groups = [s.group for b in trainer.batches for s in b.samples]
+    assert len(groups) == 24 and all(groups.count(g) == 2 for g in set(groups))  # each group once, whole
+    folder = tmp_path / "run"
+    for name in ("settings.toml", "summary.json", "steps.jsonl", "samples.jsonl", "events.jsonl"):
+        assert (folder / name).exists(), name
+    steps = [orjson.loads(line) for line in (folder / "steps.jsonl").read_bytes().splitlines()]
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    events = [orjson.loads(line)["event"] for line in (folder / "events.jsonl").read_bytes().splitlines()]
+    assert events.count("version_commit") == 6 and "weights_loaded" in events
+    required = ("mode max_staleness cold_start_s wall_s steps final_version samples_generated "
+                "samples_accepted samples_dropped_stale samples_dropped_interrupt interrupts "
+                "max_staleness_trained staleness_hist eval_curve time_to_threshold_s "
+                "reward_per_1k_tokens gen_tokens_per_s train_tokens_per_s rollout_idle_frac "
+                "trainer_idle_frac loop_lag_max_ms").split()
+    assert not [k for k in required if k not in summary]
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_no_trained_sample_older_than_eta_under_adversarial_timing(tmp_path, eta, seed):
+    trainer = FakeTrainer(step_delay_s=0.003)
+    settings = make_settings("areal", **{"controller.max_staleness": eta, "run.max_steps": 10})
+    summary = await orchestrator(tmp_path, settings, rollout=JitteryRollout(seed), trainer=trainer).run()
+    assert summary["steps"] == 10
+    ages = trained_staleness(trainer)
+    assert max(ages) <= eta and summary["max_staleness_trained"] == max(ages)
+    assert sum(summary["staleness_hist"].values()) == summary["samples_accepted"]
+
+
+async def test_rate_control_holds_at_every_admission(tmp_path):
+    eta, B = 1, 4
+    settings = make_settings("one_step", **{"run.max_steps": 8})
+    violations = []
+
+    class Checking(JitteryRollout):
+        async def send(self, msg):
+            if type(msg).__name__ == "Generate" and not msg.request_id.startswith("eval"):
+                if (orch.live - 1) // B > orch.version + eta:
+                    violations.append((orch.live, orch.version))
+            await super().send(msg)
+
+    orch = orchestrator(tmp_path, settings, rollout=Checking(3), trainer=FakeTrainer(step_delay_s=0.002))
+    await orch.run()
+    assert not violations
+
+
+async def test_sync_mode_never_overlaps_generation_and_training(tmp_path):
+    rollout = FakeRollout(tokens=3, token_delay_s=0.002)
+    trainer = FakeTrainer(step_delay_s=0.01)
+    await orchestrator(tmp_path, make_settings("sync", **{"task.eval_every": 100}),
+                       rollout=rollout, trainer=trainer).run()
+    starts = {rid: t for t, what, rid in rollout.log if what == "generate" and not rid.startswith("eval")}
+    ends = {rid: t for t, what, rid in rollout.log if what == "done" and rid in starts}
+    train = {}
+    for t, what, step in trainer.log:
+        train.setdefault(step, [0.0, 0.0])[what == "end"] = t
+    assert len(train) == 6 and ends
+    for rid, t_end in ends.items():
+        for t0, t1 in train.values():
+            assert t_end <= t0 or starts[rid] >= t1, f"{rid} generated while step trained"
+    assert all(min(s.versions) == b.version for b in trainer.batches for s in b.samples)
+
+
+async def test_areal_mode_overlaps(tmp_path):
+    rollout = FakeRollout(tokens=3, token_delay_s=0.002)
+    trainer = FakeTrainer(step_delay_s=0.02)
+    await orchestrator(tmp_path, make_settings("areal"), rollout=rollout, trainer=trainer).run()
+    starts = {rid: t for t, what, rid in rollout.log if what == "generate" and not rid.startswith("eval")}
+    ends = {rid: t for t, what, rid in rollout.log if what == "done" and rid in starts}
+    spans = {}
+    for t, what, step in trainer.log:
+        spans.setdefault(step, [0.0, 0.0])[what == "end"] = t
+    assert any(starts[rid] < t1 and end > t0 for rid, end in ends.items() for t0, t1 in spans.values())
+
+
+async def test_stale_groups_are_dropped_counted_and_release_admission(tmp_path):
+    # eta 0 with interrupts: a rollout that lives through a weight load is older than the batch.
+    rollout = JitteryRollout(5, tokens=6)
+    trainer = FakeTrainer(step_delay_s=0.004)
+    settings = make_settings("areal", **{"controller.max_staleness": 0, "run.max_steps": 8})
+    summary = await orchestrator(tmp_path, settings, rollout=rollout, trainer=trainer).run()
+    assert summary["steps"] == 8, "drops must give admission back, or the run stalls"
+    assert max(trained_staleness(trainer)) == 0
+    assert summary["samples_dropped_stale"] > 0
+    rows = [orjson.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_bytes().splitlines()]
+    assert sum(r.get("dropped") == "stale" for r in rows) == summary["samples_dropped_stale"]
+
+
+async def test_restart_mode_resubmits_then_drops(tmp_path):
+    rollout = FakeRollout(tokens=8, token_delay_s=0.002)
+    settings = make_settings("areal", **{"controller.on_interrupt": "restart", "controller.max_retries": 0,
+                                         "run.max_steps": 5})
+    trainer = FakeTrainer(step_delay_s=0.001)
+    summary = await orchestrator(tmp_path, settings, rollout=rollout, trainer=trainer).run()
+    assert summary["steps"] == 5
+    assert summary["samples_dropped_interrupt"] > 0
+    assert all(len(set(s.versions)) == 1 for b in trainer.batches for s in b.samples)
+
+
+async def test_failing_reward_scores_zero_and_is_counted(tmp_path):
+    def reward(task, text):
+        if task.id.endswith("3"):
+            raise ValueError("bad scorer")
+        return 1.0
+
+    summary = await orchestrator(tmp_path, make_settings(), reward=reward).run()
+    assert summary["reward_failures"] > 0 and summary["steps"] == 6
+    rows = [orjson.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_bytes().splitlines()]
+    failed = [r for r in rows if r.get("reward_failed")]
+    assert failed and all(r["reward"] == 0.0 for r in failed)
+
+
+async def test_async_reward_timeout_and_async_task_source(tmp_path):
+    async def reward(task, text):
+        if task.id == "t1":
+            await asyncio.sleep(5)
+        return 0.5
+
+    async def source():
+        for t in tasks(40):
+            await asyncio.sleep(0)
+            yield t
+
+    settings = make_settings(**{"controller.reward_timeout_s": 0.05, "run.max_steps": 3})
+    summary = await orchestrator(tmp_path, settings, reward=reward, tasks=source()).run()
+    assert summary["steps"] == 3 and summary["reward_failures"] >= 2
+
+
+async def test_finite_source_ends_the_run(tmp_path):
+    summary = await orchestrator(tmp_path, make_settings(**{"run.max_steps": 100}), tasks=tasks(10)).run()
+    assert summary["steps"] == 5 and summary["samples_unused"] == 0
+
+
+async def test_threshold_stops_early_and_records_time(tmp_path):
+    settings = make_settings(**{"run.threshold": 0.9, "run.max_steps": 50, "task.eval_every": 1})
+    summary = await orchestrator(tmp_path, settings).run()
+    assert summary["time_to_threshold_s"] is not None and summary["steps"] < 50
+    first = next(r for r in summary["eval_curve"] if r["pass_rate"] >= 0.9)
+    assert first["version"] >= 2 and summary["eval_curve"][0]["pass_rate"] == 0.0
+
+
+async def test_worker_error_stops_run_with_traceback_and_cleans_up(tmp_path):
+    orch = orchestrator(tmp_path, make_settings(), trainer=FakeTrainer(fail_at_step=2))
+    with pytest.raises(WorkerFailed, match="fake trainer failure") as info:
+        await orch.run()
+    assert "Traceback" in str(info.value)
+    assert not orch.store.root.exists()
+    summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
+    assert "fake trainer failure" in summary["error"] and summary["steps"] == 2
+
+
+async def test_rollout_error_stops_run(tmp_path):
+    orch = orchestrator(tmp_path, make_settings(), rollout=FakeRollout(fail_on="g3.1"))
+    with pytest.raises(WorkerFailed, match="rollout worker failed: boom"):
+        await orch.run()
+    assert not orch.store.root.exists()
+
+
+async def test_cancel_stops_workers_and_removes_store(tmp_path):
+    rollout = FakeRollout(tokens=4, token_delay_s=0.01)
+    orch = orchestrator(tmp_path, make_settings(**{"run.max_steps": 1000}), rollout=rollout)
+    run = asyncio.create_task(orch.run())
+    await asyncio.sleep(0.3)
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    assert not orch.store.root.exists() and not rollout._running
+    assert (tmp_path / "run" / "summary.json").exists()
+
+
+async def test_event_stream_yields_steps_and_evals(tmp_path):
+    orch = orchestrator(tmp_path, make_settings())
+    seen = []
+
+    async def consume():
+        async for item in orch.events():
+            seen.append(item["kind"])
+
+    consumer = asyncio.create_task(consume())
+    await asyncio.sleep(0)
+    await orch.run()
+    await asyncio.wait_for(consumer, 2)
+    assert seen.count("step") == 6 and "eval" in seen
+
+
+async def test_external_stop_ends_after_current_step(tmp_path):
+    orch = orchestrator(tmp_path, make_settings(**{"run.max_steps": 10_000}),
+                        trainer=FakeTrainer(step_delay_s=0.005))
+    run = asyncio.create_task(orch.run())
+    await asyncio.sleep(0.2)
+    orch.stop()
+    summary = await asyncio.wait_for(run, 10)
+    assert 0 < summary["steps"] < 10_000 and summary["eval_curve"][-1]["step"] == summary["steps"]
