@@ -212,6 +212,8 @@ def build_settings(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] =
     for key in flat:
         _check_key(key)
     flat.update(explicit)
+    for key, value in flat.items():  # every given value is checked, also one a preset replaces
+        flat[key] = _coerce_key(key, value)
     mode = flat.get("run.mode", RunSettings().mode)
     if mode in MODES:
         for key, value in mode_presets(mode).items():
@@ -219,14 +221,16 @@ def build_settings(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] =
                 flat[key] = value
     sections: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
-        kwargs = {}
-        hints = get_type_hints(cls)
-        for f in fields(cls):
-            key = f"{name}.{f.name}"
-            if key in flat:
-                kwargs[f.name] = _coerce(key, flat[key], hints[f.name], f.metadata)
-        sections[name] = cls(**kwargs)
+        given = {key.partition(".")[2]: value for key, value in flat.items() if key.startswith(name + ".")}
+        sections[name] = cls(**given)
     return Settings(**sections)
+
+
+def _coerce_key(key: str, value: Any) -> Any:
+    section, _, name = key.partition(".")
+    cls = SECTIONS[section]
+    f = next(f for f in fields(cls) if f.name == name)
+    return _coerce(key, value, get_type_hints(cls)[name], f.metadata)
 
 
 def describe() -> str:

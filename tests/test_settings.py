@@ -1,0 +1,98 @@
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from areal_aio.settings import Settings, SettingsError, build_settings, load_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_default_file_loads_and_matches_dataclass_defaults():
+    s = load_settings(ROOT / "settings.toml")
+    assert s.run.mode == "areal" and s.eta == 4 and s.rollout.interrupt and s.trainer.objective == "decoupled_ppo"
+    assert s.model.path == "embedded:smollm2-135m-instruct"
+    # every key of the dataclasses is in the default file (and documented there)
+    raw = tomllib.loads((ROOT / "settings.toml").read_text())
+    for section, values in Settings().to_dict().items():
+        assert set(raw[section]) == set(values), section
+
+
+def test_every_key_of_the_file_has_a_comment():
+    for line in (ROOT / "settings.toml").read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            assert "#" in line, line
+
+
+@pytest.mark.parametrize("mode,eta,interrupt", [("sync", 0, False), ("one_step", 1, False), ("areal", 4, True)])
+def test_mode_presets(mode, eta, interrupt):
+    s = build_settings({"run": {"mode": mode}, "trainer": {"objective": "ppo"}})
+    assert s.eta == eta and s.rollout.interrupt is interrupt
+    assert s.trainer.objective == ("decoupled_ppo" if mode == "areal" else "ppo")
+
+
+def test_set_wins_over_mode_preset():
+    s = build_settings({"run": {"mode": "areal"}}, ["trainer.objective=ppo", "rollout.interrupt=false"])
+    assert s.trainer.objective == "ppo" and s.rollout.interrupt is False
+
+
+def test_overrides_parse_toml_values_and_bare_strings():
+    s = build_settings({}, ["trainer.lr=3e-5", "run.max_steps=7", "task.operators=['+']",
+                            "model.path=some/folder", "controller.max_staleness=-1"])
+    assert s.trainer.lr == 3e-5 and s.run.max_steps == 7 and s.task.operators == ["+"]
+    assert s.model.path == "some/folder" and s.eta == float("inf")
+
+
+def test_int_accepted_for_float_field():
+    assert build_settings({"trainer": {"lr": 1}}).trainer.lr == 1.0
+
+
+@pytest.mark.parametrize("raw,sets,needle", [
+    ({"trainer": {"lrr": 1e-5}}, [], "'trainer.lrr'; did you mean 'trainer.lr'"),
+    ({"trainr": {}}, [], "'trainr'; did you mean 'trainer'"),
+    ({}, ["rollout.group_sise=4"], "did you mean 'rollout.group_size'"),
+    ({}, ["run.mode=fast"], "run.mode: 'fast' not allowed; choose one of sync, one_step, areal"),
+    ({}, ["trainer.objective=grpo"], "trainer.objective: 'grpo' not allowed"),
+    ({"run": {"max_steps": "ten"}}, [], "run.max_steps: expected an integer"),
+    ({"run": {"max_steps": 1.5}}, [], "run.max_steps: expected an integer"),
+    ({"rollout": {"interrupt": "yes"}}, [], "rollout.interrupt: expected true or false"),
+    ({"rollout": {"temperature": 0}}, [], "rollout.temperature: 0.0 out of range; allowed (> 0)"),
+    ({"run": {"threshold": 1.5}}, [], "run.threshold: 1.5 out of range"),
+    ({"controller": {"max_staleness": -2}}, [], "controller.max_staleness: -2 out of range"),
+    ({"trainer": {"batch_size": 30}}, [], "trainer.batch_size (30) must be a multiple of rollout.group_size (8)"),
+    ({"rollout": {"device": "gpu"}}, [], "rollout.device: 'gpu' not allowed"),
+    ({"task": {"operators": ["^"]}}, [], "task.operators"),
+    ({"task": {"name": "jsonl"}}, [], "task.path: required"),
+    ({"run": "x"}, [], "run: must be a table"),
+    ({}, ["run.mode"], "expected section.key=value"),
+])
+def test_bad_input_names_the_key(raw, sets, needle):
+    with pytest.raises(SettingsError) as info:
+        build_settings(raw, sets)
+    assert needle in str(info.value)
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run\nmode=1")
+    with pytest.raises(SettingsError, match="not valid TOML"):
+        load_settings(bad)
+    with pytest.raises(SettingsError, match="not found"):
+        load_settings(tmp_path / "missing.toml")
+
+
+def test_resolved_toml_round_trips():
+    s = build_settings({"run": {"mode": "sync"}}, ["trainer.lr=2e-6", "model.system_prompt=say \"hi\""])
+    again = build_settings(tomllib.loads(s.to_toml()))
+    assert again == s
+
+
+def test_check_cli_prints_resolved_settings_and_fails_on_bad_key():
+    ok = subprocess.run([sys.executable, "-m", "areal_aio", "check", str(ROOT / "settings.toml"),
+                         "--set", "run.mode=sync"], capture_output=True, text=True)
+    assert ok.returncode == 0 and 'mode = "sync"' in ok.stdout and "interrupt = false" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "areal_aio", "check", str(ROOT / "settings.toml"),
+                          "--set", "rollout.temprature=1"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "rollout.temperature" in bad.stderr

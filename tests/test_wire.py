@@ -1,0 +1,72 @@
+import asyncio
+import io
+
+import pytest
+
+from areal_aio import wire
+
+MESSAGES = [
+    wire.Init("rollout", {"run": {"seed": 1}}, "/dev/shm/x"),
+    wire.Ready("trainer", 12, 1.5, "cpu", 0),
+    wire.Generate("g1.0", "Calculate 1 + 2.", 64, 0.7, 0.9),
+    wire.Abort("g1.0"),
+    wire.UpdateWeights(3, "/dev/shm/x/v3.safetensors"),
+    wire.WeightsLoaded(3, 0.05, 7),
+    wire.Completion("g1.0", [1, 2], [5, 6, 2], [-0.1, -0.2, -0.3], [2, 3, 3], "3", "stop", 1, 0.4),
+    wire.Train(4, 3, [wire.TrainSample([1], [2, 3], [-0.5, -0.25], [3, 3], 1.2, 9)]),
+    wire.Trained(4, 4, "/dev/shm/x/v4.safetensors", {"loss": 0.5, "mismatch_kl": None}),
+    wire.Shutdown(),
+    wire.Error("rollout", "ValueError: x", "Traceback ..."),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip_blocking(msg):
+    stream = io.BytesIO()
+    wire.write_message(stream, msg)
+    stream.seek(0)
+    assert wire.read_message(stream) == msg
+    assert wire.read_message(stream) is None  # clean end of stream
+
+
+async def test_round_trip_async_many_frames():
+    reader = asyncio.StreamReader()
+    reader.feed_data(b"".join(wire.encode(m) for m in MESSAGES))
+    reader.feed_eof()
+    got = [await wire.read_message_async(reader) for _ in MESSAGES]
+    assert got == MESSAGES and await wire.read_message_async(reader) is None
+
+
+def test_completion_versions():
+    c = MESSAGES[6]
+    assert (c.oldest_version, c.newest_version) == (2, 3)
+
+
+def test_messages_are_frozen():
+    with pytest.raises(AttributeError):
+        MESSAGES[3].request_id = "other"
+
+
+def test_not_a_message_and_malformed_frames():
+    with pytest.raises(wire.WireError):
+        wire.encode({"type": "Abort"})
+    with pytest.raises(wire.WireError, match="malformed"):
+        wire.decode(b'{"type": "Nope"}')
+    with pytest.raises(wire.WireError, match="malformed"):
+        wire.decode(b'{"type": "Abort", "wrong": 1}')
+    with pytest.raises(wire.WireError, match="malformed"):
+        wire.decode(b"not json")
+    truncated = io.BytesIO(wire.encode(wire.Abort("x"))[:-2])
+    with pytest.raises(wire.WireError, match="inside a frame"):
+        wire.read_message(truncated)
+    huge = io.BytesIO(wire.HEADER.pack(wire.MAX_FRAME + 1))
+    with pytest.raises(wire.WireError, match="exceeds"):
+        wire.read_message(huge)
+
+
+async def test_async_truncated_frame():
+    reader = asyncio.StreamReader()
+    reader.feed_data(wire.encode(wire.Abort("x"))[:-1])
+    reader.feed_eof()
+    with pytest.raises(wire.WireError):
+        await wire.read_message_async(reader)
