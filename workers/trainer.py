@@ -169,6 +169,9 @@ class Trainer:
         self.ref = None
         if self.cfg["kl_coef"] > 0 and self.cfg["kl_ref"] == "ref":
             self.ref = copy.deepcopy(self.model).requires_grad_(False)  # frozen v0
+        if not Path(shm_dir).is_dir():
+            raise FileNotFoundError(f"trainer: weight store folder {shm_dir} does not exist "
+                                    "(the controller creates it before Init)")
         self.store = WeightStore(shm_dir)
         self.version = 0
         self._fast_head = self._check_head()

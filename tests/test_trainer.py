@@ -1,0 +1,298 @@
+"""workers/trainer.py: in-process on embedded:tiny-random, then as a real subprocess.
+
+The samples come from `model.generate` with behaviour log-probs taken under
+logits / temperature (what the rollout worker reports), or from the real
+rollout worker; with both sides on the same fp32 weights the trainer's
+recomputation must agree (mismatch_kl ~ 0).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from areal_aio import wire
+from areal_aio.settings import build_settings
+from areal_aio.weight_store import load_weights
+from workers.models import TINY, encode_prompt, load_model
+from workers.trainer import Trainer, build_micro_batch
+
+REPO = Path(__file__).resolve().parent.parent
+SEED = 3
+TEMPERATURE = 0.7
+REPLY_TIMEOUT_S = 120.0
+"""Generous: a cold worker imports torch and transformers on a busy 2-core machine."""
+MISMATCH_KL_MAX = 1e-6
+PROMPTS = ("What is 2 + 3?", "Name a colour.")
+GROUP = 4
+NEW_TOKENS = 10
+
+
+def settings(*overrides: str) -> Any:
+    return build_settings({}, (f"model.path={TINY}", f"run.seed={SEED}", "trainer.bf16=false",
+                               f"rollout.temperature={TEMPERATURE}", f"rollout.group_size={GROUP}",
+                               f"trainer.batch_size={GROUP * len(PROMPTS)}", *overrides))
+
+
+def reward_of(ids: list[int]) -> float:
+    """A deterministic reward with spread inside each group: share of even token ids."""
+    return sum(1 for i in ids if i % 2 == 0) / max(len(ids), 1)
+
+
+def generate_samples(model: Any, tok: Any, version: int = 0, seed: int = 0) -> list[wire.TrainSample]:
+    """GROUP samples per prompt with behaviour log-probs under logits / TEMPERATURE."""
+    out = []
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        for g, prompt in enumerate(PROMPTS):
+            ids = encode_prompt(tok, prompt)
+            x = torch.tensor([ids])
+            res = model.generate(x, attention_mask=torch.ones_like(x), do_sample=True,
+                                 temperature=TEMPERATURE, top_k=0, top_p=1.0,
+                                 max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 num_return_sequences=GROUP, output_logits=True,
+                                 return_dict_in_generate=True)
+            logits = torch.stack(res.logits, 1).float()  # [G, N, V]
+            comp = res.sequences[:, len(ids):]  # [G, N]
+            logp = torch.log_softmax(logits / TEMPERATURE, -1).gather(2, comp[..., None])[..., 0]
+            for k in range(GROUP):
+                c = comp[k].tolist()
+                out.append(wire.TrainSample(prompt_ids=ids, completion_ids=c,
+                                            logprobs=logp[k].tolist(), versions=[version] * len(c),
+                                            reward=reward_of(c), group=g))
+    finally:
+        torch.random.set_rng_state(gen_state)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Each worker gets one core in a run; two threads on a shared 2-core box only fight."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def batch(one_thread) -> list[wire.TrainSample]:
+    model, tok = load_model(TINY, seed=SEED)
+    return generate_samples(model, tok)
+
+
+def make_trainer(tmp_path: Path, *overrides: str) -> Trainer:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    model, tok = load_model(TINY, seed=SEED)
+    return Trainer(settings(*overrides).to_dict(), tmp_path, model=model, tokenizer=tok)
+
+
+def weighted_logp(trainer: Trainer, samples: list[wire.TrainSample]) -> float:
+    """sum_i A_i * sum_t log pi(token) with GRPO advantages: what policy gradient raises."""
+    from workers.losses import advantages
+
+    adv = advantages(torch.tensor([s.reward for s in samples]),
+                     torch.tensor([s.group for s in samples]))
+    mb = build_micro_batch(samples, list(range(len(samples))), adv, trainer.pad_id, "cpu")
+    return float((trainer.logprobs(mb) * mb.adv).sum())
+
+
+# ---- in-process --------------------------------------------------------------------------------
+
+def test_one_update_publishes_v1_with_sane_stats(tmp_path, batch) -> None:
+    trainer = make_trainer(tmp_path)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    reply = trainer.train(wire.Train(step=0, version=0, samples=batch))
+    assert reply.version == 1 and trainer.version == 1
+    assert Path(reply.path) == tmp_path / "v1.safetensors" and Path(reply.path).exists()
+    st = reply.stats
+    assert st["mismatch_kl"] is not None and 0 <= st["mismatch_kl"] < MISMATCH_KL_MAX
+    # decoupled PPO, one mini-batch: pi_theta = pi_prox exactly on the only step
+    assert st["ratio_min"] == st["ratio_max"] == 1.0 and st["clip_frac"] == 0.0
+    assert abs(st["behav_w_mean"] - 1.0) < 1e-4 and st["capped_frac"] == 0.0
+    assert st["tokens"] == GROUP * len(PROMPTS) * NEW_TOKENS and st["seqs"] == len(batch)
+    assert st["grad_norm"] > 0 and st["entropy"] > 0 and "kl" not in st
+    for key, value in st.items():
+        assert value is None or type(value) in (int, float), key
+    changed = any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    assert changed
+
+
+def test_missing_store_folder_is_a_clear_error(tmp_path) -> None:
+    model, tok = load_model(TINY, seed=SEED)
+    with pytest.raises(FileNotFoundError, match="weight store folder"):
+        Trainer(settings().to_dict(), tmp_path / "absent", model=model, tokenizer=tok)
+
+
+def test_version_must_match(tmp_path, batch) -> None:
+    trainer = make_trainer(tmp_path)
+    with pytest.raises(ValueError, match="version 1"):
+        trainer.train(wire.Train(step=0, version=1, samples=batch))
+
+
+def test_malformed_sample_is_refused_before_any_change(tmp_path, batch) -> None:
+    trainer = make_trainer(tmp_path)
+    bad = wire.TrainSample(prompt_ids=[1, 2], completion_ids=[3, 4], logprobs=[-1.0],
+                           versions=[0, 0], reward=1.0, group=0)
+    with pytest.raises(ValueError, match="1 logprobs"):
+        trainer.train(wire.Train(step=0, version=0, samples=[*batch, bad]))
+    assert trainer.version == 0 and not list(tmp_path.iterdir())
+
+
+def test_mismatch_kl_counts_only_tokens_of_the_current_version(tmp_path, batch) -> None:
+    trainer = make_trainer(tmp_path)
+    old = [wire.TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, [7] * len(s.versions),
+                            s.reward, s.group) for s in batch]
+    assert trainer.train(wire.Train(step=0, version=0, samples=old)).stats["mismatch_kl"] is None
+
+
+def test_micro_batching_does_not_change_the_update(tmp_path, batch) -> None:
+    """Token-level aggregation: loss and gradient are the same however the batch is cut."""
+    whole = make_trainer(tmp_path / "a", "trainer.micro_tokens=100000")
+    split = make_trainer(tmp_path / "b", "trainer.micro_tokens=64")
+    a = whole.train(wire.Train(step=0, version=0, samples=batch)).stats
+    b = split.train(wire.Train(step=0, version=0, samples=batch)).stats
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert a["entropy"] == pytest.approx(b["entropy"], rel=1e-6)
+
+
+@pytest.mark.parametrize("objective", ["pg", "ppo", "decoupled_ppo"])
+def test_repeated_updates_raise_the_reward_weighted_logprob(tmp_path, batch, objective) -> None:
+    trainer = make_trainer(tmp_path, f"trainer.objective={objective}", "trainer.lr=3e-3",
+                           "trainer.minibatches=2")
+    start = weighted_logp(trainer, batch)
+    losses = []
+    for step in range(3):
+        losses.append(trainer.train(wire.Train(step=step, version=step, samples=batch)).stats["loss"])
+    assert weighted_logp(trainer, batch) > start + 0.5
+    if objective == "pg":  # same batch, same -A logp objective: its value must fall
+        assert losses[-1] < losses[0]
+
+
+def test_kl_against_a_frozen_reference_grows_from_zero(tmp_path, batch) -> None:
+    trainer = make_trainer(tmp_path, "trainer.kl_coef=0.1", "trainer.kl_ref=ref", "trainer.lr=3e-3")
+    first = trainer.train(wire.Train(step=0, version=0, samples=batch)).stats
+    second = trainer.train(wire.Train(step=1, version=1, samples=batch)).stats
+    assert first["kl"] < 1e-9 < second["kl"]
+
+
+def test_bf16_autocast_step_is_finite(tmp_path, batch) -> None:
+    trainer = make_trainer(tmp_path, "trainer.bf16=true", "rollout.dtype=bfloat16")
+    st = trainer.train(wire.Train(step=0, version=0, samples=batch)).stats
+    assert all(v == v for v in st.values() if isinstance(v, float))  # no NaN
+    assert st["ratio_min"] == st["ratio_max"] == 1.0  # prox ran the same bf16 micro-batches
+    assert st["mismatch_kl"] < 1e-2  # bf16 vs fp32 behaviour: small, not ~0
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "v1.safetensors"), "pt") as f:
+        assert f.get_tensor(next(iter(f.keys()))).dtype == torch.bfloat16
+    assert next(trainer.model.parameters()).dtype == torch.float32  # fp32 master weights
+
+
+# ---- subprocess ----------------------------------------------------------------------------------
+
+class Worker:
+    """Synchronous test client of `python -m workers.<role>`."""
+
+    def __init__(self, role: str, tmp: Path, shm: Path, s: Any) -> None:
+        self.log = tmp / f"{role}.log"
+        self.proc = subprocess.Popen([sys.executable, "-m", f"workers.{role}"], cwd=REPO,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(self.log, "wb"), env=dict(os.environ))
+        self.inbox: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.send(wire.Init(role=role, settings=s.to_dict(), shm_dir=str(shm)))
+        self.ready = self.recv()
+        assert isinstance(self.ready, wire.Ready), self.log.read_text()
+
+    def _read(self) -> None:
+        while (msg := wire.read_message(self.proc.stdout)) is not None:
+            self.inbox.put(msg)
+        self.inbox.put(None)
+
+    def send(self, msg: Any) -> None:
+        wire.write_message(self.proc.stdin, msg)
+
+    def recv(self) -> Any:
+        return self.inbox.get(timeout=REPLY_TIMEOUT_S)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def workers(tmp_path):
+    started: list[Worker] = []
+
+    def start(role: str, s: Any) -> Worker:
+        shm = tmp_path / "shm"
+        shm.mkdir(exist_ok=True)
+        w = Worker(role, tmp_path, shm, s)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.close()
+
+
+@pytest.mark.slow
+def test_trainer_process_trains_publishes_and_shuts_down(workers, batch) -> None:
+    trainer = workers("trainer", settings())
+    assert trainer.ready.role == "trainer" and trainer.ready.version == 0
+    trainer.send(wire.Train(step=0, version=0, samples=batch))
+    reply = trainer.recv()
+    assert isinstance(reply, wire.Trained), reply
+    assert reply.version == 1 and reply.stats["mismatch_kl"] < MISMATCH_KL_MAX
+    v0, _ = load_model(TINY, seed=SEED)
+    v1, _ = load_model(TINY, seed=SEED)
+    load_weights(v1, reply.path)
+    diff = max((a - b).abs().max().item() for a, b in zip(v0.parameters(), v1.parameters(), strict=True))
+    assert diff > 0
+    trainer.send(wire.Shutdown())
+    assert trainer.proc.wait(timeout=REPLY_TIMEOUT_S) == 0
+
+
+@pytest.mark.slow
+def test_trainer_process_reports_a_wrong_version_as_error(workers, batch) -> None:
+    trainer = workers("trainer", settings())
+    trainer.send(wire.Train(step=0, version=5, samples=batch))
+    reply = trainer.recv()
+    assert isinstance(reply, wire.Error) and "version 5" in reply.message
+    assert "Traceback" in reply.traceback
+    assert trainer.proc.wait(timeout=REPLY_TIMEOUT_S) == 1
+
+
+@pytest.mark.slow
+def test_rollout_samples_train_with_zero_mismatch_and_v1_loads_back(workers) -> None:
+    s = settings("rollout.dtype=float32", "rollout.interrupt=false")
+    rollout = workers("rollout", s)
+    trainer = workers("trainer", s)
+    for g, prompt in enumerate(PROMPTS):
+        for k in range(GROUP):
+            rollout.send(wire.Generate(request_id=f"{g}-{k}", prompt=prompt,
+                                       max_new_tokens=NEW_TOKENS, temperature=TEMPERATURE))
+    samples = []
+    while len(samples) < GROUP * len(PROMPTS):
+        c = rollout.recv()
+        assert isinstance(c, wire.Completion), c
+        samples.append(wire.TrainSample(c.prompt_ids, c.completion_ids, c.logprobs, c.versions,
+                                        reward_of(c.completion_ids), int(c.request_id[0])))
+    trainer.send(wire.Train(step=0, version=0, samples=samples))
+    reply = trainer.recv()
+    assert isinstance(reply, wire.Trained), reply
+    assert reply.stats["mismatch_kl"] < MISMATCH_KL_MAX
+    assert reply.stats["tokens"] == sum(len(x.completion_ids) for x in samples)
+    rollout.send(wire.UpdateWeights(version=reply.version, path=reply.path))
+    loaded = rollout.recv()
+    assert isinstance(loaded, wire.WeightsLoaded) and loaded.version == 1
