@@ -77,4 +77,5 @@ def _run_loop(coro):
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
         return asyncio.run(coro)
-    return asyncio.run(coro, loop_factory=uvloop.new_event_loop)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
