@@ -1,0 +1,264 @@
+"""Rollout throughput: the continuous-batching Engine against `model.generate` on the same prompts.
+
+    python bench/rollout_throughput.py [--quick] [--threads 1,2] [--out DIR]
+
+Every method generates the same sequences (arithmetic prompts, GRPO groups of identical
+prompts), with the same sampling (temperature, top_p) and the same max_new_tokens:
+
+    engine           workers.engine.Engine, all sequences queued at once, max_batch slots
+    engine+updates   the same, with new weights loaded (KV rebuilt) every --update-every steps
+    generate/b<G>    model.generate on static batches of one group each (G sequences)
+    generate/b<M>    model.generate on static batches of max_batch sequences
+    hf-cb            transformers' own continuous batching (model.generate_batch, with logprobs)
+
+Tokens counted = tokens each sequence really generated (up to and including EOS); padding a
+static batch computes after a row's EOS is not counted. Also measured: the seconds to load the
+model's weights from the /dev/shm weight store (what an UpdateWeights costs before the rebuild).
+Timings are wall seconds on this machine, one method after the other in one process: compare
+the ratios, not the absolute numbers across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+
+from areal_aio.weight_store import SHM_BASE, WeightStore, load_weights  # noqa: E402
+from workers.common import configure_torch  # noqa: E402
+from workers.engine import Engine, Request  # noqa: E402
+from workers.models import SMOLLM2, TINY, encode_prompt, load_model  # noqa: E402
+
+QUESTIONS = ["Calculate 3 + 4.", "Calculate 8 - 5.", "Calculate 6 + 9.", "Calculate 7 - 2.",
+             "Calculate 5 + 5.", "Calculate 9 - 4.", "Calculate 2 + 8.", "Calculate 4 - 1."]
+INSTRUCTION = " Give the final answer inside <answer></answer> tags."
+TEMPERATURE = 0.7
+"""The rollout default (settings: rollout.temperature)."""
+TOP_P = 1.0
+WEIGHT_LOADS = 5
+"""Weight-load timings taken; the median is reported (the first one pays the page cache)."""
+
+
+def prompts(tok: Any, sequences: int, group: int) -> list[list[int]]:
+    """`sequences` prompts: groups of `group` identical ones, cycling through QUESTIONS."""
+    return [encode_prompt(tok, QUESTIONS[(i // group) % len(QUESTIONS)] + INSTRUCTION)
+            for i in range(sequences)]
+
+
+def run_engine(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_batch: int,
+               updates: tuple[int, list[Path]] | None = None) -> dict[str, Any]:
+    """All sequences queued at once; with `updates` = (every, paths), weights change mid-run."""
+    engine = Engine(model, tok, max_batch=max_batch, seed=0)
+    for i, prompt in enumerate(ids):
+        engine.add(Request(str(i), prompt, max_new, TEMPERATURE, TOP_P))
+    done, steps, loads, rebuilt, load_s = [], 0, 0, 0, 0.0
+    t0 = time.perf_counter()
+    while engine.busy:
+        done.extend(engine.step())
+        steps += 1
+        if updates and steps % updates[0] == 0 and engine.running:
+            loaded, finished = engine.update_weights(loads + 1, str(updates[1][loads % 2]))
+            done.extend(finished)
+            loads, rebuilt, load_s = loads + 1, rebuilt + loaded.rebuilt, load_s + loaded.load_s
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(c.completion_ids) for c in done)
+    out = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "sequences": len(done)}
+    if updates:
+        out.update(updates=loads, rebuilt_rows=rebuilt, load_s=load_s,
+                   interrupted=sum(1 for c in done if c.interrupts))
+    return out
+
+
+def run_generate(model: Any, tok: Any, ids: list[list[int]], max_new: int, batch: int) -> dict[str, Any]:
+    """model.generate on static, left-padded batches of `batch` sequences, one after the other."""
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    eos = tok.eos_token_id
+    tokens = 0
+    t0 = time.perf_counter()
+    for start in range(0, len(ids), batch):
+        rows = ids[start:start + batch]
+        width = max(map(len, rows))
+        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        with torch.inference_mode():
+            out = model.generate(input_ids, attention_mask=mask, do_sample=True,
+                                 temperature=TEMPERATURE, top_p=TOP_P, top_k=0,
+                                 max_new_tokens=max_new)[:, width:]
+        for row in out.tolist():
+            tokens += row.index(eos) + 1 if eos in row else len(row)
+    seconds = time.perf_counter() - t0
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "sequences": len(ids)}
+
+
+def run_hf_cb(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_batch: int) -> dict[str, Any]:
+    """transformers' continuous batching (paged cache), asked for logprobs as we need them."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = GenerationConfig(do_sample=True, temperature=TEMPERATURE, top_p=TOP_P, top_k=0,
+                              max_new_tokens=max_new, eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id)
+    cb = ContinuousBatchingConfig(return_logprobs=True, max_requests_per_batch=max_batch,
+                                  page_size=64, num_blocks=4 * max_batch,
+                                  max_batch_tokens=16 * max_batch)
+    t0 = time.perf_counter()
+    out = model.generate_batch(ids, generation_config=config, continuous_batching_config=cb,
+                               warmup=False)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.generated_tokens) for o in out.values())
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "sequences": len(out)}
+
+
+def perturbed_weights(model: Any, store: WeightStore) -> list[Path]:
+    """Two published versions to alternate between: the model's own and a perturbed copy."""
+    paths = [store.publish(model, 1)]
+    with torch.no_grad():
+        saved = [p.detach().clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.mul_(1.001)
+        paths.append(store.publish(model, 2))
+        for p, s in zip(model.parameters(), saved, strict=True):
+            p.copy_(s)
+    return paths
+
+
+def time_weight_load(model: Any, path: Path) -> list[float]:
+    return [load_weights(model, path) for _ in range(WEIGHT_LOADS)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny-random, few prompts (CI smoke run)")
+    parser.add_argument("--model", default=None, help=f"model spec (default {SMOLLM2}; --quick: {TINY})")
+    parser.add_argument("--threads", default=None, help="comma-separated torch thread counts (default 1,2)")
+    parser.add_argument("--sequences", type=int, default=None, help="sequences per method (default 64)")
+    parser.add_argument("--group", type=int, default=8, help="identical prompts per group")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-batch", type=int, default=32, help="engine slots (rollout.max_batch)")
+    parser.add_argument("--update-every", type=int, default=None,
+                        help="engine+updates: decode steps between weight loads (default 16; --quick: 4)")
+    parser.add_argument("--no-hf-cb", action="store_true", help="skip transformers' continuous batching")
+    parser.add_argument("--out", default=str(REPO / "bench" / "out" / "rollout_throughput"))
+    args = parser.parse_args(argv)
+    spec = args.model or (TINY if args.quick else SMOLLM2)
+    threads = [int(t) for t in (args.threads or ("1" if args.quick else "1,2")).split(",")]
+    sequences = args.sequences or (16 if args.quick else 64)
+    max_new = 16 if args.quick and args.max_new_tokens == 64 else args.max_new_tokens
+    update_every = args.update_every or (4 if args.quick else 16)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    model, tok = load_model(spec, seed=0)
+    ids = prompts(tok, sequences, args.group)
+    base = SHM_BASE if SHM_BASE.parent.is_dir() else Path(tempfile.gettempdir()) / "areal_aio_shm"
+    store = WeightStore.create("bench-rollout", base=base)
+    rows: list[dict[str, Any]] = []
+    try:
+        paths = perturbed_weights(model, store)
+        load_times = time_weight_load(model, paths[0])
+        methods = [
+            ("engine", lambda: run_engine(model, tok, ids, max_new, args.max_batch)),
+            ("engine+updates", lambda: run_engine(model, tok, ids, max_new, args.max_batch,
+                                                  (update_every, paths))),
+            (f"generate/b{args.group}", lambda: run_generate(model, tok, ids, max_new, args.group)),
+            (f"generate/b{args.max_batch}",
+             lambda: run_generate(model, tok, ids, max_new, args.max_batch)),
+        ]
+        if not args.no_hf_cb:
+            methods.append(("hf-cb", lambda: run_hf_cb(model, tok, ids, max_new, args.max_batch)))
+        for n in threads:
+            configure_torch("cpu", n)
+            # warm-up: one short pass of each kind (allocator, kernels, lazy imports)
+            run_engine(model, tok, ids[:args.group], 4, args.max_batch)
+            run_generate(model, tok, ids[:args.group], 4, args.group)
+            for name, fn in methods:
+                torch.manual_seed(0)
+                try:
+                    result = fn()
+                except Exception as exc:  # noqa: BLE001 - a baseline that fails is reported, not fatal
+                    result = {"error": f"{type(exc).__name__}: {exc}"}
+                rows.append({"method": name, "threads": n, **result})
+                print(f"  {name:16s} threads={n}  " + (f"{result['tok_s']:7.1f} tok/s" if "tok_s" in result
+                      else result["error"]), file=sys.stderr, flush=True)
+    finally:
+        store.close()
+
+    summary = _summarize(rows, threads, args.group, load_times)
+    results = {"model": spec, "sequences": sequences, "group": args.group, "max_new_tokens": max_new,
+               "max_batch": args.max_batch, "temperature": TEMPERATURE, "top_p": TOP_P,
+               "update_every": update_every, "rows": rows, "weight_load_s": load_times,
+               "weight_load_median_s": statistics.median(load_times), **summary}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    _print_table(results)
+    _plot(results, out_dir / "rollout_throughput.png")
+    print(f"wrote {out_dir / 'results.json'} and {out_dir / 'rollout_throughput.png'}")
+    return 0
+
+
+def _summarize(rows: list[dict], threads: list[int], group: int, load_times: list[float]) -> dict:
+    """Speed-ups of the engine over generate on one group per batch, per thread count."""
+    ratios = {}
+    for n in threads:
+        by = {r["method"]: r for r in rows if r["threads"] == n and "tok_s" in r}
+        base = by.get(f"generate/b{group}")
+        if base and "engine" in by:
+            ratios[str(n)] = {m: r["tok_s"] / base["tok_s"] for m, r in by.items()}
+    return {"speedup_vs_generate_group": ratios}
+
+
+def _print_table(results: dict) -> None:
+    print(f"\nrollout throughput: {results['model']}, {results['sequences']} sequences "
+          f"(groups of {results['group']}), max_new_tokens={results['max_new_tokens']}, "
+          f"temperature={results['temperature']}, top_p={results['top_p']}")
+    print(f"{'method':18s} {'threads':>7s} {'tokens':>7s} {'seconds':>8s} {'tok/s':>8s} {'x gen/b' + str(results['group']):>10s}")
+    for r in results["rows"]:
+        if "tok_s" not in r:
+            print(f"{r['method']:18s} {r['threads']:7d}  failed: {r['error']}")
+            continue
+        ratio = results["speedup_vs_generate_group"].get(str(r["threads"]), {}).get(r["method"], float("nan"))
+        extra = (f"  ({r['updates']} weight loads, {r['rebuilt_rows']} rows rebuilt)"
+                 if "updates" in r else "")
+        print(f"{r['method']:18s} {r['threads']:7d} {r['tokens']:7d} {r['seconds']:8.2f} "
+              f"{r['tok_s']:8.1f} {ratio:10.2f}{extra}")
+    print(f"weight load from the store: median {results['weight_load_median_s']:.3f}s "
+          f"over {len(results['weight_load_s'])} loads")
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["rows"] if "tok_s" in r]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    threads = sorted({r["threads"] for r in rows})
+    width = 0.8 / max(1, len(threads))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for k, n in enumerate(threads):
+        values = [next((r["tok_s"] for r in rows if r["method"] == m and r["threads"] == n), 0.0)
+                  for m in methods]
+        ax.bar([i + k * width for i in range(len(methods))], values, width, label=f"{n} thread(s)")
+    ax.set_xticks([i + width * (len(threads) - 1) / 2 for i in range(len(methods))], methods,
+                  rotation=15)
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title(f"rollout throughput, {results['model']}, {results['sequences']} seqs, "
+                 f"max_new_tokens={results['max_new_tokens']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

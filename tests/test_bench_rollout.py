@@ -1,0 +1,32 @@
+"""bench/rollout_throughput.py --quick runs end to end and writes its results and plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_quick_bench_writes_results_and_plot(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/rollout_throughput.py", "--quick", "--no-hf-cb",
+                           "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (tmp_path / "rollout_throughput.png").stat().st_size > 0
+    rows = {r["method"]: r for r in results["rows"]}
+    assert set(rows) == {"engine", "engine+updates", "generate/b8", "generate/b32"}
+    for row in rows.values():
+        assert row["sequences"] == results["sequences"] and row["tok_s"] > 0
+        # tiny-random practically never samples EOS: every sequence runs to max_new_tokens
+        assert row["tokens"] == results["sequences"] * results["max_new_tokens"]
+    assert rows["engine+updates"]["updates"] > 0 and rows["engine+updates"]["rebuilt_rows"] > 0
+    assert results["weight_load_median_s"] > 0
+    assert "engine" in results["speedup_vs_generate_group"]["1"]
+    assert "rollout throughput" in proc.stdout
