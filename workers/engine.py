@@ -25,12 +25,17 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from areal_aio.weight_store import load_weights
 from areal_aio.wire import Completion, WeightsLoaded
 
 GREEDY_BELOW = 1e-5
 """A temperature under this is greedy decoding (the wire says 0; floats may arrive as 1e-9)."""
+HEADROOM_TOKENS = 32
+"""Spare KV columns allocated past a cache's length: decode steps write into them in place
+instead of copying the whole cache (DynamicLayer's torch.cat) every step. The batch is copied
+anyway whenever rows join or leave, which reallocates the headroom."""
 
 
 @dataclass(slots=True)
@@ -58,6 +63,50 @@ class _Seq:
     @property
     def ids(self) -> list[int]:
         return self.req.prompt_ids + self.completion
+
+
+class _SlackLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values [B, H, T, D] are views into buffers with spare columns."""
+
+    def set(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold copies of keys/values [B, H, T, D] with HEADROOM_TOKENS free columns after T."""
+        b, h, t, d = keys.shape
+        self._k = keys.new_empty(b, h, t + HEADROOM_TOKENS, d)
+        self._v = values.new_empty(b, h, t + HEADROOM_TOKENS, values.shape[-1])
+        self._k[:, :, :t] = keys
+        self._v[:, :, :t] = values
+        self.keys, self.values = self._k[:, :, :t], self._v[:, :, :t]
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.set(key_states, value_states)
+            return self.keys, self.values
+        t = self.keys.shape[-2]
+        n = t + key_states.shape[-2]
+        if n > self._k.shape[-2]:
+            self.set(torch.cat([self.keys, key_states], dim=-2),
+                     torch.cat([self.values, value_states], dim=-2))
+            return self.keys, self.values
+        self._k[:, :, t:n] = key_states
+        self._v[:, :, t:n] = value_states
+        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+        return self.keys, self.values
+
+
+def _new_cache(config: Any) -> DynamicCache:
+    """A DynamicCache for `config`; its plain full-attention layers become _SlackLayers."""
+    cache = DynamicCache(config=config)
+    cache.layers = [_SlackLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+def _set_kv(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+    if isinstance(layer, _SlackLayer):
+        layer.set(keys, values)
+    else:
+        layer.keys, layer.values = keys, values
 
 
 class _Batch:
@@ -90,8 +139,8 @@ class _Batch:
         first = int(self.mask.any(0).int().argmax())  # first column some row still uses
         self.mask = self.mask[:, first:]
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
-            layer.values = layer.values.index_select(0, index)[:, :, first:]
+            _set_kv(layer, layer.keys[:, :, first:].index_select(0, index),
+                    layer.values[:, :, first:].index_select(0, index))
 
     def merge(self, other: _Batch) -> None:
         """Append `other`'s rows; the shorter side is left-padded so columns stay right-aligned."""
@@ -102,9 +151,8 @@ class _Batch:
         self.mask = torch.cat([_pad_left(self.mask, t), _pad_left(other.mask, t)])
         self.pos = torch.cat([self.pos, other.pos])
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            mine.keys = torch.cat([_pad_left(mine.keys, t, dim=2), _pad_left(theirs.keys, t, dim=2)])
-            mine.values = torch.cat([_pad_left(mine.values, t, dim=2),
-                                     _pad_left(theirs.values, t, dim=2)])
+            _set_kv(mine, torch.cat([_pad_left(mine.keys, t, dim=2), _pad_left(theirs.keys, t, dim=2)]),
+                    torch.cat([_pad_left(mine.values, t, dim=2), _pad_left(theirs.values, t, dim=2)]))
         self.seqs = self.seqs + other.seqs
 
 
@@ -213,7 +261,7 @@ class Engine:
             ids[i, length - len(row):] = torch.tensor(row, dtype=torch.long)
             mask[i, length - len(row):] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
+        cache = _new_cache(self.model.config)
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                          position_ids=positions.to(self.device), past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
@@ -226,8 +274,8 @@ class Engine:
             fresh.mask, fresh.pos = mask.index_select(0, index), fresh.pos.index_select(0, index)
             logits = logits.index_select(0, index.to(self.device))
             for layer in cache.layers:
-                layer.keys = layer.keys.index_select(0, index.to(self.device))
-                layer.values = layer.values.index_select(0, index.to(self.device))
+                _set_kv(layer, layer.keys.index_select(0, index.to(self.device)),
+                        layer.values.index_select(0, index.to(self.device)))
         done = self._sample_and_retire(fresh, logits)
         return fresh, done
 
@@ -268,9 +316,7 @@ class Engine:
         logp = torch.log_softmax(logits / scale[:, None], dim=-1)
         if any(p < 1.0 for p in top_ps):
             logp = _top_p(logp, torch.tensor(top_ps, device=logits.device))
-        # Gumbel-max: argmax(logp + Gumbel noise) is a draw from softmax(logp), no cumsum needed.
-        noise = torch.empty_like(logp).exponential_(generator=self.generator).log_()
-        token = (logp - noise).argmax(-1)
+        token = _draw(logp, self.generator)
         if any(greedy):
             token = torch.where(torch.tensor(greedy, device=logits.device), logp.argmax(-1), token)
         return token, logp.gather(1, token[:, None])[:, 0]
@@ -306,6 +352,18 @@ class Engine:
             versions=list(seq.versions),
             text=self.tokenizer.decode(seq.completion, skip_special_tokens=True),
             finish=finish, interrupts=seq.interrupts, gen_s=time.perf_counter() - seq.t0)
+
+
+def _draw(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row from softmax(logp) by inverting the CDF.
+
+    ~10x cheaper on CPU than torch.multinomial or Gumbel-max over a 49k vocabulary (one cumsum
+    instead of one random number per entry). `right=True` lands on the first index whose CDF
+    exceeds u, so a token of probability 0 (cut by top-p) is never drawn.
+    """
+    cdf = logp.exp().cumsum(-1)
+    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
 
 
 def _top_p(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
