@@ -160,3 +160,50 @@ def test_k3_is_never_negative_and_tiny_for_tiny_gaps() -> None:
 def test_entropy_of_uniform_and_peaked_rows() -> None:
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]])
     assert losses.entropy_from_logits(logits).tolist() == pytest.approx([math.log(4), 0.0], abs=1e-6)
+
+
+# ---- the chunked LM head ---------------------------------------------------------------------
+
+def _naive(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temp: float):
+    z = (hidden @ weight.T) / temp
+    logp = torch.log_softmax(z, -1).gather(1, targets[:, None])[:, 0]
+    return logp, losses.entropy_from_logits(z.detach())
+
+
+@pytest.mark.parametrize("chunk_elems", [7, 1 << 22])  # several chunks (one partial), one chunk
+def test_token_logprobs_match_full_log_softmax(monkeypatch, chunk_elems: int) -> None:
+    monkeypatch.setattr(losses, "HEAD_CHUNK_ELEMS", chunk_elems)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 3, generator=g, requires_grad=True)
+    w = torch.randn(4, 3, generator=g, requires_grad=True)
+    targets = torch.tensor([0, 3, 1, 1, 2])
+    logp, ent = losses.token_logprobs(h, w, targets, temperature=0.7)
+    ref_logp, ref_ent = _naive(h, w, targets, 0.7)
+    assert logp.tolist() == pytest.approx(ref_logp.tolist(), abs=1e-6)
+    assert ent.tolist() == pytest.approx(ref_ent.tolist(), abs=1e-6)
+    assert not ent.requires_grad
+    coef = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0])
+    gh, gw = torch.autograd.grad((logp * coef).sum(), (h, w))
+    rh, rw = torch.autograd.grad((ref_logp * coef).sum(), (h, w))
+    assert torch.allclose(gh, rh, atol=1e-6) and torch.allclose(gw, rw, atol=1e-6)
+
+
+def test_token_logprobs_gradcheck(monkeypatch) -> None:
+    monkeypatch.setattr(losses, "HEAD_CHUNK_ELEMS", 10)
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(4, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([5, 0, 2, 2])
+    assert torch.autograd.gradcheck(lambda a, b: losses.token_logprobs(a, b, targets, 0.5)[0], (h, w))
+
+
+def test_token_logprobs_bf16_compute_is_close_and_grads_keep_their_dtype() -> None:
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(6, 8, generator=g, requires_grad=True)
+    w = torch.randn(10, 8, generator=g, requires_grad=True)
+    targets = torch.arange(6)
+    logp, _ = losses.token_logprobs(h, w, targets, 1.0, torch.bfloat16)
+    ref, _ = _naive(h, w, targets, 1.0)
+    assert logp.dtype == torch.float32 and torch.allclose(logp, ref, atol=0.1)
+    logp.sum().backward()
+    assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32

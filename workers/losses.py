@@ -7,6 +7,7 @@ it is testable by hand on tiny tensors and knows nothing about models or pipes.
     advantages(rewards[B], groups[B])                       -> adv[B]
     token_loss(logp[T], behav[T], prox[T], adv[T], ...)    -> loss[T], TokenStats
     k3_kl(logp[T], ref[T])                                  -> kl[T]
+    token_logprobs(hidden[T, H], head[V, H], targets[T])   -> logp[T], entropy[T]
 
 Aggregation is the caller's (workers/trainer.py): token-level, i.e. the sum of
 token losses over the mini-batch divided by its number of completion tokens,
@@ -16,6 +17,7 @@ which is also Dr. GRPO's "no per-sequence length normalization".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -113,6 +115,79 @@ def k3_kl(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """
     d = ref - logp
     return torch.expm1(d) - d  # expm1: no cancellation when d is tiny (the usual case)
+
+
+HEAD_CHUNK_ELEMS = 1 << 22
+"""Logit elements per chunk of `token_logprobs` (16 MiB in fp32): a [T, V] logits tensor of a
+small model's vocabulary is hundreds of MiB, and a chunk this size is reused from the allocator
+instead of being faulted in fresh from the kernel on every call."""
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log-softmax(h W^T / temperature)[target] and the entropy, chunked over tokens.
+
+    Saves only hidden, weight and the per-token logsumexp; backward recomputes each
+    chunk's logits (one more head matmul) instead of keeping [T, V] alive.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                temperature: float, compute_dtype: torch.dtype | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        dt = compute_dtype or hidden.dtype
+        h, w = hidden.to(dt), weight.to(dt)
+        n = hidden.shape[0]
+        chunk = max(1, HEAD_CHUNK_ELEMS // max(weight.shape[0], 1))
+        logp = torch.empty(n, dtype=acc, device=hidden.device)
+        ent = torch.empty(n, dtype=acc, device=hidden.device)
+        lse = torch.empty(n, dtype=acc, device=hidden.device)
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            z = (h[lo:hi] @ w.T).to(acc).div_(temperature)  # [c, V]
+            top = z.amax(dim=-1, keepdim=True)  # [c, 1]
+            e = (z - top).exp_()  # [c, V]: the one exp of the chunk serves lse and entropy
+            total = e.sum(dim=-1)  # [c]
+            lse[lo:hi] = top[:, 0] + total.log()
+            logp[lo:hi] = z.gather(1, targets[lo:hi, None])[:, 0] - lse[lo:hi]
+            ent[lo:hi] = lse[lo:hi] - e.mul_(z).sum(dim=-1) / total
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.compute_dtype, ctx.chunk = temperature, dt, chunk
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx: Any, g_logp: torch.Tensor, g_ent: torch.Tensor) -> tuple[Any, ...]:
+        hidden, weight, targets, lse = ctx.saved_tensors
+        dt, t, chunk = ctx.compute_dtype, ctx.temperature, ctx.chunk
+        acc = lse.dtype
+        h, w = hidden.to(dt), weight.to(dt)
+        grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        g_logp = g_logp.to(acc)
+        for lo in range(0, hidden.shape[0], chunk):
+            hi = min(hidden.shape[0], lo + chunk)
+            g = g_logp[lo:hi]  # [c]
+            z = (h[lo:hi] @ w.T).to(acc).div_(t)  # [c, V]
+            # d logp / d z = onehot(target) - softmax(z); then d z / d (h W^T) = 1 / t
+            gz = (z - lse[lo:hi, None]).exp_().mul_(-g[:, None])
+            gz.scatter_add_(1, targets[lo:hi, None], g[:, None])
+            gz.div_(t)
+            grad_h[lo:hi] = (gz.to(dt) @ w).to(acc)  # [c, H]
+            grad_w += (gz.T.to(dt) @ h[lo:hi]).to(acc)  # [V, H]
+        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None
+
+
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                   temperature: float = 1.0, compute_dtype: torch.dtype | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(target) [T], entropy [T] (no grad)) of logits = hidden [T, H] @ weight [V, H]^T / temperature.
+
+    The same numbers as log_softmax over full logits, without a [T, V] tensor for the
+    whole micro-batch; the matmuls run in `compute_dtype` (bf16 under autocast), the
+    softmax in fp32. Gradients flow to hidden and weight.
+    """
+    return _TokenLogprobs.apply(hidden, weight, targets, float(temperature), compute_dtype)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

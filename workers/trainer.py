@@ -18,8 +18,9 @@ temperature, as the rollout worker reports them, so pi_prox and pi_behav of
 the same weights agree (`mismatch_kl` ~ 0 in fp32). The model stays in eval
 mode while training: dropout would make pi_theta differ from pi_prox at equal
 weights and turn the PPO ratio into noise. Only the completion positions go
-through the LM head ([T, V] instead of [n, L, V]): prompt logits are never
-needed and the head is the largest activation of a small model.
+through the LM head, in chunks that never hold [T, V] logits
+(losses.token_logprobs): prompt logits are never needed, and with a 49k
+vocabulary the head's logits are the largest activation of a small model.
 
 Stats (all plain floats/ints, token means unless named otherwise): loss,
 entropy, clip_frac, ratio_min/mean/max, behav_w_min/mean/max (pi_prox /
@@ -49,8 +50,8 @@ from workers.models import load_model
 from workers.packing import micro_batches
 
 HEAD_CHECK_ATOL = 1e-4
-"""Hidden-state path vs the model's own logits at init: fp32 agreement well inside this means
-the model's logits are exactly lm_head(last hidden) (no scaling we do not know about)."""
+"""Chunked head vs the model's own logits at init: fp32 agreement well inside this means the
+model's logits are exactly lm_head(last hidden) (no scaling we do not know about)."""
 
 
 @dataclass(slots=True)
@@ -183,42 +184,45 @@ class Trainer:
             return nullcontext()
         return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16)
 
-    def _logits(self, model: Any, mb: MicroBatch, fast: bool | None = None) -> torch.Tensor:
-        """Temperature-scaled fp32 logits [T, V] at the completion positions of `mb`."""
+    def _forward(self, model: Any, mb: MicroBatch, fast: bool | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log pi(token) [T] with grad, entropy [T]) at `mb`'s completion tokens, under
+        logits / temperature; call inside `_autocast()`."""
         fast = self._fast_head if fast is None else fast
         if fast:
             hidden = model.base_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                                       use_cache=False).last_hidden_state  # [n, L, H]
-            logits = model.get_output_embeddings()(hidden[mb.select])  # [T, V]
-            cap = getattr(model.config, "final_logit_softcapping", None)
-            if cap:
-                logits = torch.tanh(logits / cap) * cap
-        else:
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                           use_cache=False).logits[mb.select]  # [n, L, V] -> [T, V]
-        return logits.float() / self.temperature
+            head = model.get_output_embeddings().weight  # [V, H]
+            dtype = torch.bfloat16 if self.cfg["bf16"] and torch.is_autocast_enabled() else None
+            return losses.token_logprobs(hidden[mb.select], head, mb.targets,  # [T, H] -> [T]
+                                         self.temperature, dtype)
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                       use_cache=False).logits[mb.select]  # [n, L, V] -> [T, V]
+        logits = logits.float() / self.temperature
+        logp = logits.gather(1, mb.targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+        with torch.no_grad():
+            return logp, losses.entropy_from_logits(logits)
 
     def _check_head(self) -> bool:
-        """True when lm_head(last hidden) reproduces the model's logits (then prompts skip the head)."""
+        """True when the logits are exactly lm_head(last hidden) (no bias, softcap or scaling),
+        so the chunked head (losses.token_logprobs) may replace the model's own."""
+        head = self.model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None or getattr(head, "weight", None) is None:
+            return False
         ids = torch.tensor([[1, 2, 3, 4]], device=self.device)
         mb = MicroBatch([0], ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool),
                         ids[0], ids[0].float(), ids[0].float())
         with torch.no_grad():
-            fast = self._logits(self.model, mb, fast=True)
-            full = self._logits(self.model, mb, fast=False)
+            fast, _ = self._forward(self.model, mb, fast=True)
+            full, _ = self._forward(self.model, mb, fast=False)
         return bool(torch.allclose(fast, full, atol=HEAD_CHECK_ATOL))
-
-    @staticmethod
-    def _token_logp(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """log-softmax of logits [T, V] at targets [T] -> [T], without a second [T, V] tensor."""
-        return logits.gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
     @torch.no_grad()
     def logprobs(self, mb: MicroBatch, model: Any = None) -> torch.Tensor:
         """log pi(token) [T] of `mb`'s completion tokens under `model` (default: the policy)."""
         with self._autocast():
-            logits = self._logits(self.model if model is None else model, mb)
-        return self._token_logp(logits, mb.targets)
+            logp, _ = self._forward(self.model if model is None else model, mb)
+        return logp.float()
 
     # ---- one update ----------------------------------------------------------------------
 
@@ -267,8 +271,7 @@ class Trainer:
                 if mb.tokens == 0:
                     continue
                 with self._autocast():
-                    logits = self._logits(self.model, mb)  # [T, V] fp32
-                logp = self._token_logp(logits, mb.targets)  # [T]
+                    logp, entropy = self._forward(self.model, mb)  # [T], [T]
                 tok_loss, st = losses.token_loss(
                     logp, mb.behav, prox[id(mb)], mb.adv, objective=cfg["objective"],
                     clip_eps=cfg["clip_eps"], clip_eps_high=cfg["clip_eps_high"],
@@ -281,9 +284,8 @@ class Trainer:
                 loss = tok_loss.sum() / total  # token-level aggregation over the mini-batch
                 loss.backward()
                 loss_sum += float(loss.detach())
-                with torch.no_grad():
-                    stats.add(st, losses.entropy_from_logits(logits.detach()), kl)
-                del logits, logp, tok_loss, loss
+                stats.add(st, entropy, kl)
+                del logp, entropy, tok_loss, loss
             max_norm = cfg["grad_clip"] if cfg["grad_clip"] > 0 else math.inf
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
             self.opt.step()

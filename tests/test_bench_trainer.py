@@ -1,0 +1,44 @@
+"""The trainer benchmarks run end to end in --quick mode and write their table, JSON and plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def keep_threads():
+    """The benchmarks set torch's thread count; give the rest of the session its own back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_train_step_quick(tmp_path, capsys, keep_threads) -> None:
+    from bench import train_step
+
+    assert train_step.main(["--quick", "--out", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "fp32" in table and "bf16" in table
+    res = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["threads"], r["precision"]) for r in res["rows"]}
+    assert rows == {(1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")}
+    assert all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in res["rows"])
+    assert res["completion_tokens"] == train_step.QUICK_SEQS * train_step.COMPLETION_TOKENS
+    assert (tmp_path / "train_step.png").stat().st_size > 1000
+
+
+def test_weight_sync_quick(tmp_path, capsys, keep_threads) -> None:
+    from bench import weight_sync
+
+    assert weight_sync.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert "ratio" in capsys.readouterr().out
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [c["dtype"] for c in res["cases"]] == ["float32", "bfloat16"]
+    for case in res["cases"]:
+        assert case["bytes"] > 0 and case["ratio"] > 0 and case["store_s"] > 0
+    assert (tmp_path / "weight_sync.png").stat().st_size > 1000
