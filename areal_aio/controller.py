@@ -17,7 +17,8 @@
         --> UpdateWeights(v+1) to rollout --> capacity event --> eval every k steps
     [monitor]  loop lag, queue depths, progress line, row flushing
 
-Who blocks on whom: dispatch waits for capacity (version commits and drops
+Who blocks on whom: dispatch waits for the baseline eval (version 0, the
+rollout worker to itself), then for capacity (version commits and drops
 release it); train_loop waits for the replay buffer to hold a fresh batch and
 then for the trainer; readers wait on their pipes. Only train_loop ends the
 run: when it returns, the other tasks are cancelled, workers are asked to
@@ -157,6 +158,7 @@ class Orchestrator:
         self._trained: asyncio.Future | None = None
         self._capacity = asyncio.Event()
         self._batch_ready = asyncio.Event()
+        self._baseline_done = asyncio.Event()
         self._stop = asyncio.Event()
         self._source_done = False
         self._closing = False  # the train loop is done: in-flight rollouts are abandoned
@@ -272,6 +274,7 @@ class Orchestrator:
     async def _dispatch(self) -> None:
         """Admit one group at a time while the rate rule allows; the only writer of `live` upward."""
         stream = self._task_stream()
+        await self._baseline_done.wait()
         while True:
             while not may_admit(self.live, self.G, self.B, self.version, self.eta):
                 self._capacity.clear()
@@ -401,7 +404,9 @@ class Orchestrator:
 
     async def _train_loop(self) -> None:
         """The finite loop that decides when the run ends."""
-        self._start_eval()
+        # The baseline eval runs alone on version 0, before any training rollout is dispatched.
+        await self._evaluate(0, 0)
+        self._baseline_done.set()
         while self.step < self.settings.run.max_steps and not self._should_stop():
             t_wait = time.perf_counter()
             batch = await self._next_batch()
