@@ -1,0 +1,40 @@
+"""README's commands and its embedding example are real."""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def block_after(marker: str) -> str:
+    match = re.search(re.escape(marker) + r"\s*```[a-z]*\n(.*?)```", README, re.DOTALL)
+    assert match, marker
+    return match.group(1)
+
+
+def test_readme_has_both_commands_and_ci_runs_the_test_one():
+    assert "python -m areal_aio run settings.toml" in README
+    test_cmd = block_after("<!-- test-command -->").strip()
+    assert "pip install torch==2.13.0" in test_cmd and test_cmd.endswith("python -m pytest -q")
+    extracted = subprocess.run(
+        ["awk", '/<!-- test-command -->/{found=1; next} found && /^```/{if (inblock) exit; inblock=1; next} inblock{print}',
+         str(ROOT / "README.md")], capture_output=True, text=True, check=True).stdout.strip()
+    assert extracted == test_cmd
+    assert "README.md" in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.mark.slow
+def test_embedding_example_runs(tmp_path):
+    (tmp_path / "example.py").write_text(block_after("<!-- embed-example -->"))
+    shutil.copy(ROOT / "settings.toml", tmp_path / "settings.toml")
+    done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 3: reward" in done.stdout and "trained 3 steps" in done.stdout
+    assert (tmp_path / "runs" / "embedded-demo" / "summary.json").exists()
