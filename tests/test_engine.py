@@ -9,7 +9,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from areal_aio.weight_store import WeightStore
-from workers.engine import Engine, Request, _top_p
+from workers.engine import HEADROOM_TOKENS, Engine, Request, _draw, _top_p
 from workers.models import TINY, encode_prompt, load_model
 
 PROMPTS = ["Calculate 3 + 4.", "What is 12 - 5? Put the answer in <answer></answer> tags.", "Hi",
@@ -98,6 +98,28 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert torch.allclose(kept[1], torch.tensor([0.0, 0.15, 0.3, 0.5]) / 0.95)
 
 
+def test_draw_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2])
+    logp = probs.log().expand(20_000, 4)
+    draws = _draw(logp, torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=4).float() / len(draws)
+    assert freq[1] == 0  # probability 0 (cut by top-p) is never drawn
+    assert torch.allclose(freq, probs, atol=0.015)
+
+
+def test_long_sequences_outgrow_the_kv_headroom(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, max_batch=2, seed=8)
+    n = 3 * HEADROOM_TOKENS + 5  # the cache buffers regrow several times
+    for i in range(2):
+        engine.add(Request(f"r{i}", encode_prompt(tok, PROMPTS[i]), n, 1.0))
+    out = _drain(engine)
+    for c in out.values():
+        assert len(c.completion_ids) == n
+        ref = _reference_logprobs(model, c, 1.0, 1.0)
+        assert max(abs(a - b) for a, b in zip(ref, c.logprobs, strict=True)) < 1e-4
+
+
 def test_group_of_identical_prompts_samples_independently(tiny):
     model, tok = tiny
     engine = Engine(model, tok, max_batch=8, seed=3)
@@ -106,6 +128,22 @@ def test_group_of_identical_prompts_samples_independently(tiny):
         engine.add(Request(f"g{i}", ids, 8, 1.0))
     out = _drain(engine)
     assert len({tuple(c.completion_ids) for c in out.values()}) > 1
+    for c in out.values():
+        ref = _reference_logprobs(model, c, 1.0, 1.0)
+        assert max(abs(a - b) for a, b in zip(ref, c.logprobs, strict=True)) < 1e-4
+
+
+def test_a_group_admitted_piecemeal_is_prefilled_once(tiny):
+    model, tok = tiny
+    engine = Engine(model, tok, max_batch=2, seed=9)
+    forwards = []
+    compute = engine._forward
+    engine._forward = lambda rows: forwards.append(len(rows)) or compute(rows)
+    ids = encode_prompt(tok, PROMPTS[1])
+    for i in range(6):
+        engine.add(Request(f"g{i}", ids, 3 + i, 1.0))
+    out = _drain(engine)
+    assert forwards == [1] and len(out) == 6  # later admissions hit the prefix cache
     for c in out.values():
         ref = _reference_logprobs(model, c, 1.0, 1.0)
         assert max(abs(a - b) for a, b in zip(ref, c.logprobs, strict=True)) < 1e-4
@@ -167,26 +205,31 @@ def test_weight_update_mid_generation_rebuilds_and_versions_tokens(tiny, tmp_pat
     v1 = _perturbed(model, seed=6)
     path = WeightStore(tmp_path).publish(v1, 1)
     engine = Engine(model, tok, max_batch=4, seed=6)
+    # r0 finishes early and r4 takes its slot: at the update the rows hold completions of
+    # different lengths after prompts of different lengths (masked holes in the rebuilt KV)
+    lengths = [3, 16, 16, 16, 16, 16]
     for i, prompt in enumerate(PROMPTS + PROMPTS[:2]):
-        engine.add(Request(f"r{i}", encode_prompt(tok, prompt), 16, 0.8, 0.95))
+        engine.add(Request(f"r{i}", encode_prompt(tok, prompt), lengths[i], 0.8, 0.95))
     early = {c.request_id: c for c in engine.run_chunk(5)}
+    assert set(early) == {"r0"}
+    tails = sorted(len(s.completion) for s in engine.batch.seqs)
+    assert tails[0] < tails[-1]
     loaded, done = engine.update_weights(1, str(path))
-    assert loaded.version == 1 and loaded.rebuilt == 4 and not early and not done
-    out = _drain(engine)
-    interrupted = [c for c in out.values() if c.interrupts]
-    assert len(interrupted) == 4 and len(out) == 6
-    for c in out.values():
+    assert loaded.version == 1 and loaded.rebuilt == 4 and not done
+    # r5 is queued and shares r1's prompt, prefilled under v0: the prefix cache must not serve it
+    out = {**early, **_drain(engine)}
+    assert len(out) == 6 and {r for r, c in out.items() if c.interrupts} == {"r1", "r2", "r3", "r4"}
+    assert out["r0"].versions == [0] * 3 and set(out["r5"].versions) == {1}
+    for rid, c in out.items():
         versions = c.versions
-        assert versions == sorted(versions) and len(versions) == 16
+        assert versions == sorted(versions) and len(versions) == lengths[int(rid[1:])]
         if c.interrupts:
             assert versions[0] == 0 and versions[-1] == 1 and c.interrupts == 1
-        else:
-            assert set(versions) == {1}
         # each token's logprob under the weights of its own version
         ref = {0: _reference_logprobs(v0, c, 0.8, 0.95), 1: _reference_logprobs(v1, c, 0.8, 0.95)}
         for i, (lp, v) in enumerate(zip(c.logprobs, versions, strict=True)):
             assert abs(lp - ref[v][i]) < 1e-4, (c.request_id, i, v)
-        assert any(abs(ref[0][i] - ref[1][i]) > 1e-3 for i in range(16))  # the versions differ
+        assert any(abs(ref[0][i] - ref[1][i]) > 1e-3 for i in range(len(versions)))  # they differ
 
 
 def test_update_weights_with_a_missing_file_raises(tiny, tmp_path):

@@ -19,7 +19,7 @@ next decode step feeds.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,10 @@ from areal_aio.wire import Completion, WeightsLoaded
 
 GREEDY_BELOW = 1e-5
 """A temperature under this is greedy decoding (the wire says 0; floats may arrive as 1e-9)."""
+PREFIX_CACHE_PROMPTS = 16
+"""Prompts whose prefill (KV + next-token logits) is kept for the current weights: the
+controller keeps a few GRPO groups in flight, and a group admitted a few slots at a time then
+pays one prefill instead of one per admission. About 2 MB each for SmolLM2-135M."""
 HEADROOM_TOKENS = 32
 """Spare KV columns allocated past a cache's length: decode steps write into them in place
 instead of copying the whole cache (DynamicLayer's torch.cat) every step. The batch is copied
@@ -109,6 +113,31 @@ def _set_kv(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
         layer.keys, layer.values = keys, values
 
 
+@dataclass(slots=True)
+class _Prefix:
+    """The KV of one token list after a forward pass, and the logits of its next token."""
+
+    keys: list[torch.Tensor]  # per layer [1, kv_heads, len, head_dim]
+    values: list[torch.Tensor]
+    logits: torch.Tensor  # [1, vocab]
+
+    def detached(self) -> _Prefix:
+        """Own copies (not views into a whole batch's cache), to keep in the prefix cache."""
+        return _Prefix([k.clone() for k in self.keys], [v.clone() for v in self.values],
+                       self.logits.clone())
+
+
+def _stack_right(parts: list[torch.Tensor], length: int) -> torch.Tensor:
+    """[1, H, len_i, D] pieces -> [n, H, length, D], each right-aligned (zeros on the left)."""
+    if len(parts) == 1 and parts[0].shape[2] == length:
+        return parts[0]
+    first = parts[0]
+    out = first.new_zeros(len(parts), first.shape[1], length, first.shape[3])
+    for i, part in enumerate(parts):
+        out[i, :, length - part.shape[2]:] = part[0]
+    return out
+
+
 class _Batch:
     """The running rows and their shared right-aligned KV cache.
 
@@ -182,6 +211,7 @@ class Engine:
         self.eos = _eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.tokens_generated = 0
+        self.prefixes: OrderedDict[tuple[int, ...], _Prefix] = OrderedDict()  # prompt -> prefill
 
     # ------------------------------------------------------------------ queue
 
@@ -247,13 +277,68 @@ class Engine:
         return done
 
     def _prefill(self, seqs: list[_Seq]) -> tuple[_Batch, list[Completion]]:
-        """Forward prompt + completion of `seqs` from scratch and sample one token for each.
+        """Compute the KV of prompt + completion of `seqs` from scratch; sample one token each.
 
-        Identical token lists (a GRPO group) are computed once and their KV rows repeated.
+        Two passes, so that what rows share is computed once:
+          prompts: each distinct prompt once (a GRPO group shares one), or taken from the
+                   prefix cache when prefilled before under the same weights
+          tails:   the completion tokens so far (only after a weight update), all rows in one
+                   pass over the shared prompt KV; a row's layout is then
+                   [pad | prompt | pad | completion] with the holes masked out
         """
-        unique: dict[tuple[int, ...], int] = {}
-        which = [unique.setdefault(tuple(s.ids), len(unique)) for s in seqs]
-        rows = list(unique)
+        prompts: dict[tuple[int, ...], int] = {}
+        which = [prompts.setdefault(tuple(s.req.prompt_ids), len(prompts)) for s in seqs]
+        entries = self._prompt_entries(list(prompts))
+        length = max(map(len, prompts))
+        index = torch.tensor(which, dtype=torch.long)
+        on_device = index.to(self.device)
+        mask = torch.zeros((len(prompts), length), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            mask[i, length - len(prompt):] = 1
+        mask = mask.index_select(0, index)
+        cache = _new_cache(self.model.config)
+        for layer_idx, layer in enumerate(cache.layers):
+            keys = _stack_right([e.keys[layer_idx] for e in entries], length)
+            values = _stack_right([e.values[layer_idx] for e in entries], length)
+            _set_kv(layer, keys.index_select(0, on_device), values.index_select(0, on_device))
+        logits = torch.cat([e.logits for e in entries]).index_select(0, on_device)
+        tails = [s.completion for s in seqs]
+        width = max(map(len, tails))
+        if width:
+            ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+            tail_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+            for i, tail in enumerate(tails):
+                if tail:
+                    ids[i, width - len(tail):] = torch.tensor(tail, dtype=torch.long)
+                    tail_mask[i, width - len(tail):] = 1
+            mask = torch.cat([mask, tail_mask], dim=1)
+            positions = (mask.cumsum(1) - 1).clamp(min=0)[:, -width:]
+            out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                             position_ids=positions.to(self.device), past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+            has_tail = torch.tensor([bool(t) for t in tails], device=self.device)
+            logits = torch.where(has_tail[:, None], out.logits[:, -1], logits)
+        fresh = _Batch()
+        fresh.seqs, fresh.cache, fresh.mask, fresh.pos = seqs, cache, mask, mask.sum(1)
+        done = self._sample_and_retire(fresh, logits)
+        return fresh, done
+
+    def _prompt_entries(self, prompts: list[tuple[int, ...]]) -> list[_Prefix]:
+        """Each prompt's KV and next-token logits: from the prefix cache, else one forward pass."""
+        entries = [self.prefixes.get(prompt) for prompt in prompts]
+        todo = [i for i, entry in enumerate(entries) if entry is None]
+        if todo:
+            for i, entry in zip(todo, self._forward([prompts[i] for i in todo]), strict=True):
+                entries[i] = entry
+                self.prefixes[prompts[i]] = entry.detached()
+        for prompt in prompts:
+            self.prefixes.move_to_end(prompt)
+        while len(self.prefixes) > PREFIX_CACHE_PROMPTS:
+            self.prefixes.popitem(last=False)
+        return entries
+
+    def _forward(self, rows: list[tuple[int, ...]]) -> list[_Prefix]:
+        """One left-padded forward pass over `rows`; each row's KV [1, H, len, D] and last logits."""
         length = max(map(len, rows))
         ids = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), length), dtype=torch.long)
@@ -261,23 +346,15 @@ class Engine:
             ids[i, length - len(row):] = torch.tensor(row, dtype=torch.long)
             mask[i, length - len(row):] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        cache = _new_cache(self.model.config)
+        cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                          position_ids=positions.to(self.device), past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1]
-        fresh = _Batch()
-        fresh.seqs, fresh.cache, fresh.mask = seqs, cache, mask
-        fresh.pos = mask.sum(1)
-        if len(rows) != len(seqs):
-            index = torch.tensor(which, dtype=torch.long)
-            fresh.mask, fresh.pos = mask.index_select(0, index), fresh.pos.index_select(0, index)
-            logits = logits.index_select(0, index.to(self.device))
-            for layer in cache.layers:
-                _set_kv(layer, layer.keys.index_select(0, index.to(self.device)),
-                        layer.values.index_select(0, index.to(self.device)))
-        done = self._sample_and_retire(fresh, logits)
-        return fresh, done
+        return [_Prefix(keys=[layer.keys[i:i + 1, :, length - len(row):] for layer in cache.layers],
+                        values=[layer.values[i:i + 1, :, length - len(row):] for layer in cache.layers],
+                        logits=logits[i:i + 1])
+                for i, row in enumerate(rows)]
 
     def _sample_and_retire(self, b: _Batch, logits: torch.Tensor) -> list[Completion]:
         """Sample one token per row of `b` from logits [B, V]; remove and return finished rows."""
@@ -332,6 +409,7 @@ class Engine:
         """
         load_s = load_weights(self.model, path)
         self.version = version
+        self.prefixes.clear()  # computed with the old weights
         seqs = self.batch.seqs
         self.batch = _Batch()
         done: list[Completion] = []
