@@ -16,9 +16,18 @@ PROMPTS = ["Calculate 3 + 4.", "What is 12 - 5? Put the answer in <answer></answ
            "Calculate 7 * 8 and explain every step of the way, slowly and carefully."]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine, two OpenMP threads stall each other at
+    every op's barrier whenever another process holds a core (tiny ops get ~100x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
     return load_model(TINY, seed=0)
 
 
