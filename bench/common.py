@@ -1,0 +1,191 @@
+"""What the run-grid benchmarks share: a resumable grid of real runs, the loop, tables, plots.
+
+    cells (name, overrides) --load_settings--> Settings --run_fn--> DIR/runs/<name>/summary.json
+
+A grid runs its cells strictly one after another in one event loop (each cell
+is one `Orchestrator`, which starts and stops its own worker subprocesses).
+It resumes: a cell whose folder holds a `summary.json` with `"error": null`
+and the same resolved settings is finished, so its summary is reused; any
+other folder (an interrupted, failed or differently configured run) is
+deleted and the cell is rerun from scratch. A run that raises is recorded as
+failed and the grid goes on, so one bad cell does not lose a night's grid;
+Ctrl-C stops the grid (the interrupted cell reruns next time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sys
+import tomllib
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from areal_aio.settings import Settings, load_settings
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_SETTINGS = REPO / "settings.toml"
+TINY_BATCH = ("model.path=embedded:tiny-random", "rollout.group_size=4", "trainer.batch_size=8",
+              "rollout.max_new_tokens=8", "task.eval_size=8", "task.eval_every=2",
+              "run.progress=false", "controller.reward_procs=0")
+"""The --quick base: the smallest real run (tiny-random model, 2 groups of 4, 8 tokens)."""
+IGNORED_FOR_RESUME = {("run", "progress")}
+"""Settings that do not change a run's results: a finished cell is reused whatever they are."""
+
+RunFn = Callable[[Settings, Path], Awaitable[dict]]
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """One run of a grid: its folder name, its settings overrides, and the labels it is grouped by."""
+
+    name: str
+    overrides: tuple[str, ...]
+    labels: dict[str, Any] = field(default_factory=dict)
+
+
+async def run_orchestrator(settings: Settings, folder: Path) -> dict:
+    """The real run: an Orchestrator that starts the rollout and trainer subprocesses itself."""
+    from areal_aio.controller import Orchestrator
+
+    return await Orchestrator(settings, out_dir=folder).run()
+
+
+def finished_summary(folder: Path, settings: Settings) -> dict | None:
+    """The summary of a finished run of exactly these settings in `folder`, else None."""
+    try:
+        summary = orjson.loads((folder / "summary.json").read_bytes())
+        resolved = tomllib.loads((folder / "settings.toml").read_text())
+    except (OSError, orjson.JSONDecodeError, tomllib.TOMLDecodeError):
+        return None
+    # A cancelled run's summary has error "" (str of CancelledError): only null means finished.
+    if not isinstance(summary, dict) or "error" not in summary or summary["error"] is not None:
+        return None
+    return summary if _comparable(resolved) == _comparable(settings.to_dict()) else None
+
+
+def _comparable(tree: dict) -> dict:
+    return {section: {k: v for k, v in values.items() if (section, k) not in IGNORED_FOR_RESUME}
+            for section, values in tree.items()}
+
+
+async def run_grid(cells: Sequence[Cell], out_dir: Path, *, settings_path: str | Path | None,
+                   overrides: Sequence[str] = (), run_fn: RunFn = run_orchestrator,
+                   log: Callable[[str], None] | None = None) -> list[dict]:
+    """Run every cell not yet finished, one after another; one record per cell, in order.
+
+    A record is the cell's labels plus `cell`, `folder`, `status` (reused | ran | failed)
+    and `summary` (the run's summary; a failed run's has its error). Settings are the file,
+    then `overrides`, then the cell's own overrides (so the grid's dimensions win).
+    """
+    log = log or _stderr
+    records = []
+    for i, cell in enumerate(cells, start=1):
+        settings = load_settings(settings_path, [*overrides, *cell.overrides])
+        folder = out_dir / "runs" / cell.name
+        summary = finished_summary(folder, settings)
+        status = "reused"
+        if summary is None:
+            if folder.exists():
+                log(f"[{i}/{len(cells)}] {cell.name}: unfinished or different settings, rerunning")
+                shutil.rmtree(folder)
+            else:
+                log(f"[{i}/{len(cells)}] {cell.name}: running")
+            try:
+                summary = await run_fn(settings, folder)
+                status = "ran"
+            except Exception as exc:  # noqa: BLE001 - a failed cell is recorded, the grid goes on
+                status = "failed"
+                summary = _read_summary(folder) or {}
+                summary["error"] = summary.get("error") or f"{type(exc).__name__}: {exc}"
+                log(f"[{i}/{len(cells)}] {cell.name}: FAILED: {summary['error'][:500]}")
+        else:
+            log(f"[{i}/{len(cells)}] {cell.name}: finished earlier, reusing its summary")
+        records.append({**cell.labels, "cell": cell.name, "folder": str(folder), "status": status,
+                        "summary": summary})
+    return records
+
+
+def _read_summary(folder: Path) -> dict | None:
+    try:
+        return orjson.loads((folder / "summary.json").read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_loop(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine on a fresh loop, uvloop where available (as `python -m areal_aio run` does)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+# ---------------------------------------------------------------------- small helpers
+
+
+def parse_list(text: str, kind: Callable[[str], Any] = str) -> list[Any]:
+    """'a,b,c' -> [kind(a), kind(b), kind(c)] (blanks skipped)."""
+    return [kind(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def final_pass_rate(summary: dict) -> float | None:
+    """Pass rate of the last eval (the run's final eval), or None if it never evaluated."""
+    curve = sorted(summary.get("eval_curve") or [], key=lambda r: r["step"])
+    return curve[-1]["pass_rate"] if curve else None
+
+
+def initial_pass_rate(summary: dict) -> float | None:
+    curve = sorted(summary.get("eval_curve") or [], key=lambda r: r["step"])
+    return curve[0]["pass_rate"] if curve else None
+
+
+def stats(values: Sequence[float | None]) -> dict[str, float | None]:
+    """Mean, min and max of the values that are not None (all None when there are none)."""
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return {"mean": None, "min": None, "max": None}
+    return {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs)}
+
+
+def mean(values: Sequence[float | None]) -> float | None:
+    return stats(values)["mean"]
+
+
+def fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], title: str = "") -> None:
+    """A plain text table on stdout, columns as wide as their widest cell."""
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    if title:
+        print(title)
+    print("  ".join(f"{h:>{w}}" if i else f"{h:<{w}}" for i, (h, w) in enumerate(zip(headers, widths, strict=True))))
+    for row in rows:
+        print("  ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
