@@ -1,6 +1,6 @@
 """Controller overhead: trajectories/s through the controller alone, with instant fake workers.
 
-    python bench/controller_overhead.py [--steps 400] [--repeats 5] [--mode areal]
+    python bench/controller_overhead.py [--steps 100] [--repeats 5] [--mode areal]
         [--profile] [--out DIR] [--quick]
 
 The Orchestrator runs in-process against `FakeRollout(tokens=4, token_delay_s=0)` and
@@ -48,7 +48,10 @@ from bench.common import print_table, pyplot, run_loop, write_json  # noqa: E402
 TARGET = 50_000
 """Trajectories/s the controller must sustain so that it is never what a GPU rollout waits on."""
 GROUP, BATCH = 8, 256
-STEPS, QUICK_STEPS = 400, 20
+STEPS, QUICK_STEPS = 100, 20
+RUN_WALL_S = 120.0
+"""run.max_wall_s of one run: a controller that admits far more than it trains ends here, and the
+rate (trained / wall) still says how slow it was."""
 REPEATS, QUICK_REPEATS = 5, 2
 WARMUP_STEPS = 10
 DISTINCT_TASKS = 1000
@@ -57,7 +60,7 @@ PROFILE_TOP = 30
 
 def make_settings(steps: int, mode: str = "areal", group: int = GROUP, batch: int = BATCH) -> Settings:
     return build_settings({
-        "run": {"mode": mode, "max_steps": steps, "progress": False},
+        "run": {"mode": mode, "max_steps": steps, "max_wall_s": RUN_WALL_S, "progress": False},
         "model": {"path": "embedded:tiny-random"},
         "task": {"eval_size": 1, "eval_every": 1_000_000},
         "rollout": {"group_size": group},
