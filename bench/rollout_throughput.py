@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -61,20 +62,22 @@ def run_engine(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_bat
     engine = Engine(model, tok, max_batch=max_batch, seed=0)
     for i, prompt in enumerate(ids):
         engine.add(Request(str(i), prompt, max_new, TEMPERATURE, TOP_P))
-    done, steps, loads, rebuilt, load_s = [], 0, 0, 0, 0.0
+    done, steps, loads, rebuilt, load_s, update_s = [], 0, 0, 0, 0.0, 0.0
     t0 = time.perf_counter()
     while engine.busy:
         done.extend(engine.step())
         steps += 1
         if updates and steps % updates[0] == 0 and engine.running:
+            t_update = time.perf_counter()
             loaded, finished = engine.update_weights(loads + 1, str(updates[1][loads % 2]))
+            update_s += time.perf_counter() - t_update
             done.extend(finished)
             loads, rebuilt, load_s = loads + 1, rebuilt + loaded.rebuilt, load_s + loaded.load_s
     seconds = time.perf_counter() - t0
     tokens = sum(len(c.completion_ids) for c in done)
     out = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "sequences": len(done)}
     if updates:
-        out.update(updates=loads, rebuilt_rows=rebuilt, load_s=load_s,
+        out.update(updates=loads, rebuilt_rows=rebuilt, load_s=load_s, update_s=update_s,
                    interrupted=sum(1 for c in done if c.interrupts))
     return out
 
@@ -150,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hf-cb", action="store_true", help="skip transformers' continuous batching")
     parser.add_argument("--out", default=str(REPO / "bench" / "out" / "rollout_throughput"))
     args = parser.parse_args(argv)
+    # this script owns its process: a SIGTERM (timeout, Ctrl-C from a runner) unwinds through
+    # `finally` so the weight store folder in /dev/shm is removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     spec = args.model or (TINY if args.quick else SMOLLM2)
     threads = [int(t) for t in (args.threads or ("1" if args.quick else "1,2")).split(",")]
     sequences = args.sequences or (16 if args.quick else 64)
@@ -226,7 +232,8 @@ def _print_table(results: dict) -> None:
             print(f"{r['method']:18s} {r['threads']:7d}  failed: {r['error']}")
             continue
         ratio = results["speedup_vs_generate_group"].get(str(r["threads"]), {}).get(r["method"], float("nan"))
-        extra = (f"  ({r['updates']} weight loads, {r['rebuilt_rows']} rows rebuilt)"
+        extra = (f"  ({r['updates']} updates, {r['rebuilt_rows']} rows rebuilt, "
+                 f"{r['update_s'] / max(1, r['updates']):.2f}s per load + rebuild)"
                  if "updates" in r else "")
         print(f"{r['method']:18s} {r['threads']:7d} {r['tokens']:7d} {r['seconds']:8.2f} "
               f"{r['tok_s']:8.1f} {ratio:10.2f}{extra}")

@@ -9,7 +9,8 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from areal_aio.weight_store import WeightStore
-from workers.engine import HEADROOM_TOKENS, Engine, Request, _draw, _top_p
+from workers import engine as engine_module
+from workers.engine import HEADROOM_TOKENS, Engine, Request, _draw, _Seq, _tail_buckets, _top_p
 from workers.models import TINY, encode_prompt, load_model
 
 PROMPTS = ["Calculate 3 + 4.", "What is 12 - 5? Put the answer in <answer></answer> tags.", "Hi",
@@ -207,7 +208,21 @@ def test_abort_queued_and_running(tiny):
     assert set(out) == {"r0", "r2"} and all(c.finish == "length" for c in out.values())
 
 
-def test_weight_update_mid_generation_rebuilds_and_versions_tokens(tiny, tmp_path):
+def test_rebuild_passes_group_similar_completion_lengths():
+    def lengths(tails):
+        seqs = [_Seq(Request("r", [1], 99), 0.0, completion=[0] * k) for k in sorted(tails)]
+        return [[len(s.completion) for s in group] for group in _tail_buckets(seqs)]
+
+    assert lengths([6, 6, 6, 6]) == [[6, 6, 6, 6]]
+    assert lengths([1, 2, 3, 60, 61, 62]) == [[1, 2, 3], [60, 61, 62]]
+    assert lengths([]) == []
+
+
+@pytest.mark.parametrize("overhead", [engine_module.FORWARD_OVERHEAD_TOKENS, 0])
+def test_weight_update_mid_generation_rebuilds_and_versions_tokens(tiny, tmp_path, monkeypatch,
+                                                                   overhead):
+    """overhead 0: every distinct completion length is rebuilt in a pass of its own."""
+    monkeypatch.setattr(engine_module, "FORWARD_OVERHEAD_TOKENS", overhead)
     model, tok = tiny
     model = copy.deepcopy(model)  # the engine loads new weights into it
     v0 = copy.deepcopy(model)

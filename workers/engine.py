@@ -36,6 +36,9 @@ PREFIX_CACHE_PROMPTS = 16
 """Prompts whose prefill (KV + next-token logits) is kept for the current weights: the
 controller keeps a few GRPO groups in flight, and a group admitted a few slots at a time then
 pays one prefill instead of one per admission. About 2 MB each for SmolLM2-135M."""
+FORWARD_OVERHEAD_TOKENS = 16
+"""The fixed cost of one more forward pass (reading every weight once) in tokens of work: on
+CPU a 1-token step of SmolLM2-135M costs about as much as 16 tokens of a long pass."""
 HEADROOM_TOKENS = 32
 """Spare KV columns allocated past a cache's length: decode steps write into them in place
 instead of copying the whole cache (DynamicLayer's torch.cat) every step. The batch is copied
@@ -413,12 +416,14 @@ class Engine:
         seqs = self.batch.seqs
         self.batch = _Batch()
         done: list[Completion] = []
-        if seqs:
-            for seq in seqs:
-                seq.interrupts += 1
-            # The pending token is part of `ids`: prefill caches it too and samples the next
-            # token under the new weights, which restores the invariant with a new pending token.
-            self.batch, done = self._prefill(seqs)
+        for seq in seqs:
+            seq.interrupts += 1
+        # The pending token is part of the completion: the rebuild caches it too and samples the
+        # next token under the new weights, restoring the invariant with a new pending token.
+        for group in _tail_buckets(sorted(seqs, key=lambda s: len(s.completion))):
+            fresh, finished = self._prefill(group)
+            self.batch.merge(fresh)
+            done.extend(finished)
         return WeightsLoaded(version=version, load_s=load_s, rebuilt=len(seqs)), done
 
     # ------------------------------------------------------------------ results
@@ -430,6 +435,28 @@ class Engine:
             versions=list(seq.versions),
             text=self.tokenizer.decode(seq.completion, skip_special_tokens=True),
             finish=finish, interrupts=seq.interrupts, gen_s=time.perf_counter() - seq.t0)
+
+
+def _tail_buckets(seqs: list[_Seq]) -> list[list[_Seq]]:
+    """Split rows sorted by completion length into rebuild passes of least padded work.
+
+    One pass pads every completion to the longest; rows admitted at different times differ a
+    lot, so a few passes of similar lengths cost less. Exact partition by dynamic programming:
+    cost(pass) = rows x longest completion + FORWARD_OVERHEAD_TOKENS.
+    """
+    n = len(seqs)
+    best = [0.0] + [float("inf")] * n  # best[j]: cheapest split of seqs[:j]
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + (j - i) * len(seqs[j - 1].completion) + FORWARD_OVERHEAD_TOKENS
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(seqs[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
 
 
 def _draw(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
