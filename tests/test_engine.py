@@ -161,10 +161,11 @@ def test_a_group_admitted_piecemeal_is_prefilled_once(tiny):
 
 def test_greedy_equals_model_generate(tiny):
     model, tok = tiny
-    engine = Engine(model, tok, max_batch=4, seed=4)
+    engine = Engine(model, tok, max_batch=5, seed=4)
     for i, prompt in enumerate(PROMPTS):
-        engine.add(Request(f"r{i}", encode_prompt(tok, prompt), 12, 0.0))
-    engine.add(Request("sampled", encode_prompt(tok, PROMPTS[0]), 12, 1.0))  # shares the batch
+        engine.add(Request(f"r{i}", encode_prompt(tok, prompt), 12, 0.0, top_p=0.9))
+    # a sampled row with top-p shares the batch; greedy rows still log-prob the plain softmax
+    engine.add(Request("sampled", encode_prompt(tok, PROMPTS[0]), 12, 1.0, top_p=0.9))
     out = _drain(engine)
     for i, prompt in enumerate(PROMPTS):
         ids = torch.tensor([encode_prompt(tok, prompt)])

@@ -3,17 +3,19 @@
 No pipe code here: `workers/rollout.py` feeds it messages; tests drive it directly.
 
     add(request) -> waiting (FIFO) --admit when a slot frees--> running rows (<= max_batch)
-    step():  admit: prefill the new rows (identical prompts once), sample their first token,
-                    merge their KV into the batch
+    step():  admit: KV of each distinct new prompt (prefix cache, else one forward pass),
+                    repeated for every row that shares it; sample each row's first token;
+                    merge the rows into the batch
              decode: feed every row's pending token, sample the next one, retire finished rows
-    update_weights(version, path): load, drop the KV cache, prefill every running row again
-                    (prompt + tokens so far) under the new weights; later tokens carry `version`
+    update_weights(version, path): load, drop every KV (batch and prefix cache), recompute it
+                    for the running rows: distinct prompts once, then the completions so far
+                    in passes of similar lengths; later tokens carry `version`
 
-The batch KV cache is right-aligned: every row's newest cached token sits in the last column,
-shorter rows are padded on the left (attention_mask 0, positions count real tokens only), so one
-decode step feeds one token per row at the same column. Invariant between steps: the cache holds
-each row's prompt + completion except its last sampled token (the "pending" token), which the
-next decode step feeds.
+One KV cache holds the whole batch, [B, kv_heads, T, head_dim] per layer, with an attention mask
+[B, T]: a row is [pad | prompt | pad | completion], the pads masked out and position ids counting
+real tokens only, so one decode step appends one column for every row. Invariant between steps:
+the cache holds each row's prompt + completion except its last sampled token (the "pending"
+token), which the next decode step feeds.
 """
 
 from __future__ import annotations
@@ -213,7 +215,6 @@ class Engine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.eos = _eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.tokens_generated = 0
         self.prefixes: OrderedDict[tuple[int, ...], _Prefix] = OrderedDict()  # prompt -> prefill
 
     # ------------------------------------------------------------------ queue
@@ -374,7 +375,6 @@ class Engine:
                 done.append(self._completion(seq, "length"))
             else:
                 keep.append(i)
-        self.tokens_generated += len(b.seqs)
         b.keep(keep)
         return done
 
@@ -385,8 +385,8 @@ class Engine:
         logits / temperature, restricted to the top-p nucleus and renormalized.
         """
         temps = [s.req.temperature for s in seqs]
-        top_ps = [s.req.top_p for s in seqs]
         greedy = [t < GREEDY_BELOW for t in temps]
+        top_ps = [1.0 if g else s.req.top_p for g, s in zip(greedy, seqs, strict=True)]
         if all(greedy):
             logp = torch.log_softmax(logits, dim=-1)
             token = logp.argmax(-1)
