@@ -193,7 +193,8 @@ class Trainer:
             hidden = model.base_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                                       use_cache=False).last_hidden_state  # [n, L, H]
             head = model.get_output_embeddings().weight  # [V, H]
-            dtype = torch.bfloat16 if self.cfg["bf16"] and torch.is_autocast_enabled() else None
+            on = torch.is_autocast_enabled(torch.device(self.device).type)
+            dtype = torch.bfloat16 if on else None  # autocast does not reach a Function's backward
             return losses.token_logprobs(hidden[mb.select], head, mb.targets,  # [T, H] -> [T]
                                          self.temperature, dtype)
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
