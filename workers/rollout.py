@@ -10,7 +10,7 @@
         pending weights:
             interrupt on  -> load now (we are at a chunk boundary), rebuild KV, WeightsLoaded
             interrupt off -> stop admitting; once no row runs: load, WeightsLoaded, admit again
-        engine.run_chunk(chunk_tokens) -> Completion for each finished sequence
+        chunk_tokens engine steps -> a Completion as soon as each sequence finishes
 
 The pipe is looked at only between chunks, so `rollout.chunk_tokens` decode steps are the
 interrupt granularity.
@@ -60,8 +60,11 @@ class RolloutWorker:
                 msg = channel.poll()
             if self.pending is not None and (self.interrupt or engine.running == 0):
                 self._load(channel)
-            for done in engine.run_chunk(self.chunk_tokens):
-                channel.send(done)
+            for _ in range(self.chunk_tokens):  # one chunk; each Completion leaves at once
+                if not engine.busy:
+                    break
+                for done in engine.step():
+                    channel.send(done)
 
     def _handle(self, msg: Any, channel: Channel) -> None:
         match msg:
