@@ -173,8 +173,9 @@ class _Batch:
         first = int(self.mask.any(0).int().argmax())  # first column some row still uses
         self.mask = self.mask[:, first:]
         for layer in self.cache.layers:
-            _set_kv(layer, layer.keys[:, :, first:].index_select(0, index),
-                    layer.values[:, :, first:].index_select(0, index))
+            rows_on = index.to(layer.keys.device)  # mask and pos live on the CPU, KV on the device
+            _set_kv(layer, layer.keys[:, :, first:].index_select(0, rows_on),
+                    layer.values[:, :, first:].index_select(0, rows_on))
 
     def merge(self, other: _Batch) -> None:
         """Append `other`'s rows; the shorter side is left-padded so columns stay right-aligned."""
