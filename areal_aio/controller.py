@@ -3,6 +3,7 @@
     tasks (any iterable / async iterable)
         |
     [dispatch] --blocks on--> admission: floor((live + G - 1) / B) <= version + eta
+        |                      (live = ever admitted - dropped; never lowered by training)
         |  Generate x G (one group)                       ^ capacity event: commit, drop
         v                                                 |
     rollout pipe ----> [rollout_reader] --Completion--> [score] (reward pool, timeout -> 0)
@@ -136,6 +137,7 @@ class Orchestrator:
                  trainer: WorkerClient | None = None) -> None:
         self.settings = settings
         self.eta = settings.eta
+        self.max_in_flight = settings.max_in_flight
         self.B = settings.trainer.batch_size
         self.G = settings.rollout.group_size
         self._tasks = tasks if tasks is not None else training_tasks(settings)
@@ -148,7 +150,8 @@ class Orchestrator:
         self.trainer = trainer or PipeWorker("trainer", self.folder / "trainer.log", settings.trainer.threads)
         self.version = 0
         self.step = 0
-        self.live = 0  # admitted rollouts not dropped: the admission count
+        self.live = 0  # rollouts ever admitted and not dropped: N_r of the admission rule
+        self.trained = 0  # rollouts trained: live - trained are outstanding
         self.counts = Counts()
         self.replay = ReplayBuffer()
         self.summary: dict[str, Any] = {}
@@ -276,7 +279,8 @@ class Orchestrator:
         stream = self._task_stream()
         await self._baseline_done.wait()
         while True:
-            while not may_admit(self.live, self.G, self.B, self.version, self.eta):
+            while not may_admit(self.live, self.G, self.B, self.version, self.eta,
+                                self.live - self.trained, self.max_in_flight):
                 self._capacity.clear()
                 await self._capacity.wait()
             try:
@@ -292,6 +296,7 @@ class Orchestrator:
             self.counts.admitted += self.G
             for sample in samples:
                 await self._generate(sample)
+            await asyncio.sleep(0)  # a pipe with room never blocks: let readers in between groups
 
     async def _generate(self, sample: Sample) -> None:
         self._requests[sample.request_id] = sample
@@ -332,11 +337,11 @@ class Orchestrator:
         sample.completion = msg
         self.counts.generated += 1
         self.counts.gen_tokens += len(msg.completion_ids)
-        if msg.interrupts:
-            self.counts.interrupts += msg.interrupts
-            self.log.events.info("interrupted", request=msg.request_id, interrupts=msg.interrupts,
-                                 versions=[msg.oldest_version, msg.newest_version])
-        self._tg.create_task(self._score(sample, group), name=f"score-{msg.request_id}")
+        self.counts.interrupts += msg.interrupts  # per sample in samples.jsonl; rebuilds in weights_loaded
+        if self._scorer.inline:
+            self._scored(sample, group, self._scorer.score_inline(sample.task, msg.text))
+        else:
+            self._tg.create_task(self._score(sample, group), name=f"score-{msg.request_id}")
 
     def _restart(self, sample: Sample, group: PendingGroup) -> None:
         """on_interrupt = restart: resubmit from scratch, or drop the group past the retry limit."""
@@ -353,7 +358,11 @@ class Orchestrator:
         self._tg.create_task(self._generate(sample), name=f"restart-{sample.request_id}")
 
     async def _score(self, sample: Sample, group: PendingGroup) -> None:
-        sample.score = score = await self._scorer.score(sample.task, sample.completion.text)
+        self._scored(sample, group, await self._scorer.score(sample.task, sample.completion.text))
+
+    def _scored(self, sample: Sample, group: PendingGroup, score: Score) -> None:
+        """A sample's reward is in; a group whose every sample is scored enters the replay buffer."""
+        sample.score = score
         self.counts.reward_failures += score.failed
         self.counts.reward_sum += score.reward
         group.scored += 1
@@ -461,7 +470,7 @@ class Orchestrator:
                 await self.rollout.send(wire.Abort(rid))
         # Keep what someone may still load: the newest and the one before (rollout may be mid-load).
         self.store.retain({self.version, self.version - 1})
-        self.live -= len(samples)
+        self.trained += len(samples)
         self._capacity.set()
         self.counts.accepted += len(samples)
         self.counts.trained_tokens += sum(len(s.completion_ids) for s in train_samples)
@@ -601,7 +610,7 @@ class Orchestrator:
             "trainer_idle_frac": 1 - self._trainer_busy.seconds() / wall if wall else None,
             "loop_lag_max_ms": round(1000 * self._lag_max, 2),
             "folder": str(self.folder),
-            "error": None if error is None else str(error),
+            "error": None if error is None else (str(error) or type(error).__name__),
         }
 
 

@@ -3,8 +3,8 @@
 They speak the real wire messages without a model: the fake rollout worker
 emits `tokens` tokens per request, one per `token_delay_s`, each stamped with
 the version it holds at that moment, and follows the interrupt rule of the
-real one (interrupt: switch versions at once; otherwise load only when nothing
-is in flight). Its answer to a prompt comes from `policy(prompt, version)`.
+real one (interrupt: switch versions at once; otherwise hold new requests, let
+the ones in flight finish on the old weights, load, then start the held ones). Its answer to a prompt comes from `policy(prompt, version)`.
 The fake trainer answers Train after `step_delay_s` with the next version.
 Both record what happened (`log`) so tests can check ordering and overlap.
 """
@@ -44,6 +44,7 @@ class FakeRollout:
         self._pending_update: wire.UpdateWeights | None = None
         self._out: asyncio.Queue[Any] = asyncio.Queue()
         self._running: dict[str, asyncio.Task] = {}
+        self._waiting: list[wire.Generate] = []
         self._interrupts: dict[str, int] = {}
         self.log: list[tuple[float, str, Any]] = []
 
@@ -57,14 +58,21 @@ class FakeRollout:
                 if rid == self.fail_on:
                     await self._out.put(wire.Error(self.role, "boom", "Traceback: fake failure"))
                     return
-                self.log.append((time.perf_counter(), "generate", rid))
-                self._interrupts[rid] = 0
-                self._running[rid] = asyncio.create_task(self._generate(msg))
+                if self._pending_update is not None:  # interrupt off: new work waits for the load
+                    self._waiting.append(msg)
+                    return
+                self._start(msg)
             case wire.Abort(request_id=rid):
+                waiting = [m for m in self._waiting if m.request_id == rid]
+                if waiting:
+                    self._waiting.remove(waiting[0])
+                    await self._out.put(self._completion(rid, [], [], "abort"))
                 task = self._running.pop(rid, None)
                 if task is not None:
                     task.cancel()
                     await self._out.put(self._completion(rid, [], [], "abort"))
+                    if not self._running:  # drained by aborts: a held update loads now
+                        await self._load()
             case wire.UpdateWeights():
                 self._pending_update = msg
                 if self.interrupt or not self._running:
@@ -73,6 +81,11 @@ class FakeRollout:
                 await self.stop()
             case _:
                 raise wire.WireError(f"fake rollout got {msg!r}")
+
+    def _start(self, msg: wire.Generate) -> None:
+        self.log.append((time.perf_counter(), "generate", msg.request_id))
+        self._interrupts[msg.request_id] = 0
+        self._running[msg.request_id] = asyncio.create_task(self._generate(msg))
 
     async def _load(self) -> None:
         update, self._pending_update = self._pending_update, None
@@ -83,12 +96,21 @@ class FakeRollout:
         self.version = update.version
         self.log.append((time.perf_counter(), "load", update.version))
         await self._out.put(wire.WeightsLoaded(version=update.version, load_s=0.0,
-                                               rebuilt=len(self._running)))
+                                               rebuilt=len(self._running) if self.interrupt else 0))
+        waiting, self._waiting = self._waiting, []
+        for msg in waiting:
+            self._start(msg)
+
+    def token_delay(self, request_id: str) -> float:
+        """Seconds per token of this request (override for uneven timings)."""
+        return self.token_delay_s
 
     async def _generate(self, msg: wire.Generate) -> None:
+        delay = self.token_delay(msg.request_id)
         versions = []
         for _ in range(self.tokens):
-            await asyncio.sleep(self.token_delay_s)
+            if delay or not versions:
+                await asyncio.sleep(delay)
             versions.append(self.version)
         text = self.policy(msg.prompt, versions[-1])
         self._running.pop(msg.request_id, None)

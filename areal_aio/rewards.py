@@ -124,12 +124,25 @@ class Scorer:
         elif procs == 0 and picklable:
             self._inline = True
 
+    @property
+    def inline(self) -> bool:
+        """True when `score_inline` may be used: a cheap picklable sync function, procs = 0."""
+        return self._inline
+
+    def score_inline(self, task: Task, completion: str) -> Score:
+        """Score on the caller's thread (no task, no pool hop); failures score 0 and are counted."""
+        try:
+            return as_score(self.fn(task, completion))
+        except Exception:  # noqa: BLE001 - a failing reward scores 0 and is counted
+            self.failures += 1
+            return Score(reward=0.0, passed=False, strict=False, failed=True)
+
     async def score(self, task: Task, completion: str) -> Score:
+        if self._inline:
+            return self.score_inline(task, completion)
         try:
             if self._async:
                 value = await asyncio.wait_for(self.fn(task, completion), self.timeout_s)
-            elif self._inline:
-                value = self.fn(task, completion)
             elif self._pool is not None:
                 loop = asyncio.get_running_loop()
                 value = await asyncio.wait_for(

@@ -22,6 +22,9 @@ MODES = ("sync", "one_step", "areal")
 OBJECTIVES = ("pg", "ppo", "decoupled_ppo")
 UNBOUNDED = -1
 """`controller.max_staleness = -1` means no staleness bound (the ablation's 'unbounded')."""
+UNBOUNDED_IN_FLIGHT_BATCHES = 8
+"""With no staleness bound, admission still stops at this many batches started and not trained:
+enough to keep a rollout worker busy for several trainer steps, not enough to fill its memory."""
 
 
 class SettingsError(ValueError):
@@ -109,6 +112,7 @@ class ControllerSettings:
     on_interrupt: str = opt("continue", "continue (finish under the new weights) | restart (resubmit from scratch, up to max_retries).", choices=("continue", "restart"))
     max_retries: int = opt(2, "restart: resubmissions of one task before it is dropped.", ge=0)
     reward_timeout_s: float = opt(10.0, "A reward taking longer scores 0 and is counted.", gt=0)
+    max_in_flight: int = opt(0, "Rollouts started and not yet trained at most; 0 = none beyond the staleness rule, or 8 batches when max_staleness = -1.", ge=0)
     reward_procs: int = opt(1, "Processes of the reward pool (CPU-heavy scoring off the event loop); 0 scores in a thread.", ge=0)
 
 
@@ -141,6 +145,9 @@ class Settings:
         bad = [op for op in self.task.operators if op not in ("+", "-", "*", "/")]
         if bad or not self.task.operators:
             raise SettingsError(f"task.operators: {bad or '[]'} not allowed; use a non-empty list of + - * /")
+        if self.controller.max_in_flight and self.controller.max_in_flight < self.rollout.group_size:
+            raise SettingsError(f"controller.max_in_flight ({self.controller.max_in_flight}) must be 0 or "
+                                f">= rollout.group_size ({self.rollout.group_size}): groups start whole")
         if self.task.eval_seed == self.run.seed:
             raise SettingsError("task.eval_seed: must differ from run.seed (the eval set is held out)")
         for key, dev in (("rollout.device", self.rollout.device), ("trainer.device", self.trainer.device)):
@@ -155,6 +162,13 @@ class Settings:
         if self.run.mode == "one_step":
             return 1
         return math.inf if self.controller.max_staleness == UNBOUNDED else self.controller.max_staleness
+
+    @property
+    def max_in_flight(self) -> int:
+        """The cap on outstanding rollouts in force (0 = the staleness rule alone bounds them)."""
+        if self.controller.max_in_flight:
+            return self.controller.max_in_flight
+        return UNBOUNDED_IN_FLIGHT_BATCHES * self.trainer.batch_size if math.isinf(self.eta) else 0
 
     @property
     def prompts_per_step(self) -> int:

@@ -11,7 +11,7 @@ the batch its index names; drops and restarts break that, so acceptance checks
 again and no trained sample is ever older than eta. A dropped rollout gives its
 admission slot back ("live" = admitted and not dropped), otherwise the batches
 it was counted in could never fill and the run would stall. eta = 0 is
-synchronous training on the same code path; eta = inf never blocks.
+synchronous training on the same code path; eta = inf is bounded only by the cap on outstanding rollouts.
 """
 
 from __future__ import annotations
@@ -19,12 +19,19 @@ from __future__ import annotations
 import math
 
 
-def may_admit(live: int, count: int, batch_size: int, version: int, eta: float) -> bool:
-    """May `count` more rollouts start when `live` are admitted and not dropped?
+def may_admit(live: int, count: int, batch_size: int, version: int, eta: float,
+              outstanding: int = 0, max_outstanding: int = 0) -> bool:
+    """May `count` more rollouts start when `live` were admitted so far and not dropped?
 
     The last of them is rollout number n = live + count; it may start while
-    floor((n - 1) / B) <= version + eta.
+    floor((n - 1) / B) <= version + eta. `live` never goes down when a batch is
+    trained: that is what makes the rule a bound (at version i at most
+    (i + eta + 1) * B rollouts have ever started, i * B of them trained).
+    `max_outstanding` > 0 also caps rollouts started but not yet trained, the
+    only bound when eta is infinite.
     """
+    if max_outstanding and outstanding + count > max_outstanding:
+        return False
     if math.isinf(eta):
         return True
     return (live + count - 1) // batch_size <= version + eta

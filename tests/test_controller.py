@@ -49,9 +49,8 @@ class JitteryRollout(FakeRollout):
         super().__init__(**kw)
         self.rng = random.Random(seed)
 
-    async def _generate(self, msg):
-        self.token_delay_s = self.rng.choice([0.0, 0.0005, 0.002, 0.006])
-        await super()._generate(msg)
+    def token_delay(self, request_id):
+        return self.rng.choice([0.0, 0.0005, 0.002, 0.006])
 
 
 def trained_staleness(trainer: FakeTrainer) -> list[int]:
@@ -142,14 +141,19 @@ async def test_areal_mode_overlaps(tmp_path):
 
 
 async def test_stale_groups_are_dropped_counted_and_release_admission(tmp_path):
-    # eta 0 with interrupts: a rollout that lives through a weight load is older than the batch.
-    rollout = JitteryRollout(5, tokens=6)
-    trainer = FakeTrainer(step_delay_s=0.004)
-    settings = make_settings("areal", **{"controller.max_staleness": 0, "run.max_steps": 8})
+    # Group 1 is slow: later groups fill the batches, and by the time group 1 is back (its
+    # oldest token from version 0, interrupted on the way) it is more than eta = 1 behind.
+    class SlowGroup(FakeRollout):
+        def token_delay(self, request_id):
+            return 0.005 if request_id.startswith("g1.") else 0.0
+
+    rollout = SlowGroup(tokens=20)  # group 1 takes ~0.1 s, the 8 steps ~0.24 s
+    trainer = FakeTrainer(step_delay_s=0.03)
+    settings = make_settings("areal", **{"controller.max_staleness": 1, "run.max_steps": 8})
     summary = await orchestrator(tmp_path, settings, rollout=rollout, trainer=trainer).run()
     assert summary["steps"] == 8, "drops must give admission back, or the run stalls"
-    assert max(trained_staleness(trainer)) == 0
-    assert summary["samples_dropped_stale"] > 0
+    assert max(trained_staleness(trainer)) <= 1
+    assert summary["samples_dropped_stale"] == 2
     rows = [orjson.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_bytes().splitlines()]
     assert sum(r.get("dropped") == "stale" for r in rows) == summary["samples_dropped_stale"]
 
@@ -259,3 +263,33 @@ async def test_external_stop_ends_after_current_step(tmp_path):
     orch.stop()
     summary = await asyncio.wait_for(run, 10)
     assert 0 < summary["steps"] < 10_000 and summary["eval_curve"][-1]["step"] == summary["steps"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step"])
+async def test_admission_never_runs_ahead_of_the_clock(tmp_path, mode):
+    """At version i at most (i + eta + 1) * B rollouts have ever started: sync drops nothing."""
+    eta = 0 if mode == "sync" else 1
+    settings = make_settings(mode, **{"run.max_steps": 8, "task.eval_every": 100})
+    rollout = JitteryRollout(7)
+    summary = await orchestrator(tmp_path, settings, rollout=rollout,
+                                 trainer=FakeTrainer(step_delay_s=0.002)).run()
+    started = sum(1 for _, what, rid in rollout.log if what == "generate" and not rid.startswith("eval"))
+    assert started <= (8 + eta + 1) * 4
+    if mode == "sync":
+        assert summary["samples_dropped_stale"] == 0 and started == 8 * 4
+
+
+async def test_unbounded_staleness_is_capped_by_max_in_flight(tmp_path):
+    settings = make_settings("areal", **{"controller.max_staleness": -1, "run.max_steps": 5})
+    outstanding = []
+
+    class Counting(JitteryRollout):
+        async def send(self, msg):
+            if type(msg).__name__ == "Generate" and not msg.request_id.startswith("eval"):
+                outstanding.append(orch.live - orch.trained)
+            await super().send(msg)
+
+    orch = orchestrator(tmp_path, settings, rollout=Counting(1), trainer=FakeTrainer(step_delay_s=0.01))
+    summary = await orch.run()
+    assert summary["steps"] == 5 and summary["max_staleness"] is None
+    assert max(outstanding) <= settings.max_in_flight == 8 * 4
