@@ -1,13 +1,15 @@
 """Command line: `python -m areal_aio run|check SETTINGS [--set section.key=value ...] [--out DIR]`.
 
-`run` owns the process, so it owns the loop: uvloop where available, and
-Ctrl-C cancels the run, which shuts both workers down before exiting 130.
+`run` owns the process, so it owns the loop (uvloop where available) and its
+signals: Ctrl-C or SIGTERM cancels the run, which shuts both workers down and
+removes the run's /dev/shm folder before exiting 130 / 143.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 
 import orjson
@@ -60,6 +62,9 @@ def _run(settings, out: str | None) -> int:
     except KeyboardInterrupt:
         print(f"\ninterrupted; workers stopped, partial results in {orchestrator.folder}", file=sys.stderr)
         return 130
+    except asyncio.CancelledError:
+        print(f"\nterminated; workers stopped, partial results in {orchestrator.folder}", file=sys.stderr)
+        return 143
     except WorkerFailed as exc:
         print(f"\nerror: {exc}\nrun folder: {orchestrator.folder}", file=sys.stderr)
         return 1
@@ -72,10 +77,20 @@ def _run(settings, out: str | None) -> int:
     return 0
 
 
+async def _owning_process(coro):
+    """The CLI owns the process: SIGTERM cancels the run (Ctrl-C already does, via the runner)."""
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    try:
+        return await coro
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 def _run_loop(coro):
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
-        return asyncio.run(coro)
+        return asyncio.run(_owning_process(coro))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
+        return runner.run(_owning_process(coro))

@@ -117,6 +117,25 @@ def test_cli_run_and_ctrl_c(tmp_path):
     assert len(pids) == 2 and not any(alive(p) for p in pids)
 
 
+def test_cli_sigterm_stops_cleanly(tmp_path):
+    name = f"e2e-term-{os.getpid()}"
+    sets = [arg for kv in TINY + [f"run.name={name}"] for arg in ("--set", kv)]
+    proc = subprocess.Popen([sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"), *sets,
+                             "--set", "run.max_steps=100000", "--out", str(tmp_path / "term")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    steps = tmp_path / "term" / "steps.jsonl"
+    deadline = time.time() + 120
+    while not steps.exists() or not steps.read_text():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert not shm_folders(name)
+    summary = orjson.loads((tmp_path / "term" / "summary.json").read_bytes())
+    assert summary["steps"] >= 1 and summary["error"] == "CancelledError"
+
+
 def vowel_share(task: Task, completion: str) -> float:
     """A dense synthetic reward: the share of letters that are vowels."""
     letters = [c for c in completion.lower() if c.isalpha()]
