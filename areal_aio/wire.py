@@ -153,7 +153,8 @@ class Error:
 
 
 Message = (Init | Ready | Generate | Abort | UpdateWeights | WeightsLoaded | Completion
-           | TrainSample | Train | Trained | Shutdown | Error)
+           | Train | Trained | Shutdown | Error)
+"""The closed set of frames; TrainSample travels only inside Train."""
 TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     Init, Ready, Generate, Abort, UpdateWeights, WeightsLoaded, Completion, Train, Trained,
     Shutdown, Error)}
