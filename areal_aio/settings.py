@@ -102,6 +102,7 @@ class TrainerSettings:
     kl_ref: str = opt("behav", "KL against the behaviour log-probs or a frozen copy of the initial weights.", choices=("behav", "ref"))
     minibatches: int = opt(1, "Optimizer steps per batch (the batch is split into this many).", ge=1)
     micro_tokens: int = opt(4096, "Token cap of one micro-batch (dynamic batching); gradients accumulate across them.", ge=16)
+    share_prompts: str = opt("auto", "Run each group's prompt once and its completions on that KV (exact, fewer tokens): on | off | auto (on for CPU, off for CUDA, where small models are launch-bound and the extra pass costs more than it saves).", choices=("auto", "on", "off"))
     grad_clip: float = opt(1.0, "Clip the gradient norm to this; 0 disables.", ge=0)
     bf16: bool = opt(True, "bf16 autocast for forward/backward (fp32 master weights).")
 

@@ -23,7 +23,7 @@ from areal_aio import wire
 from areal_aio.settings import build_settings
 from areal_aio.weight_store import load_weights
 from workers.models import TINY, encode_prompt, load_model
-from workers.trainer import Trainer, build_micro_batch
+from workers.trainer import Trainer, build_micro_batch, build_shared_micro_batch, prompt_groups
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 3
@@ -163,6 +163,54 @@ def test_micro_batching_does_not_change_the_update(tmp_path, batch) -> None:
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     assert a["entropy"] == pytest.approx(b["entropy"], rel=1e-6)
+
+
+def ragged(batch: list[wire.TrainSample]) -> list[wire.TrainSample]:
+    """The batch with completions cut to lengths 1..NEW_TOKENS, so rows pad differently."""
+    out = []
+    for k, s in enumerate(batch):
+        n = 1 + (k * 3) % NEW_TOKENS
+        out.append(wire.TrainSample(s.prompt_ids, s.completion_ids[:n], s.logprobs[:n],
+                                    s.versions[:n], s.reward, s.group))
+    return out
+
+
+def test_shared_prompt_forward_equals_the_unshared_one(tmp_path, batch) -> None:
+    """Prompts of two lengths, ragged completions: every token's log-prob and the gradient agree."""
+    samples = ragged(batch)
+    assert len({len(s.prompt_ids) for s in samples}) == 2
+    trainer = make_trainer(tmp_path)
+    adv = torch.linspace(-1, 1, len(samples))
+    plain = build_micro_batch(samples, list(range(len(samples))), adv, trainer.pad_id, "cpu")
+    groups = prompt_groups(samples, 0, len(samples))
+    assert [len(g) for g in groups] == [GROUP] * len(PROMPTS)
+    shared = build_shared_micro_batch(samples, groups, adv, trainer.pad_id, "cpu")
+    assert shared.shared and shared.index == plain.index and torch.equal(shared.targets, plain.targets)
+    grads = []
+    for mb in (plain, shared):
+        trainer.model.zero_grad(set_to_none=True)
+        logp, entropy = trainer._forward(trainer.model, mb)
+        (logp * mb.adv).sum().backward()
+        grads.append((logp.detach(), entropy, [p.grad.clone() for p in trainer.params]))
+    (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = grads
+    assert torch.allclose(lp_a, lp_b, atol=1e-5) and torch.allclose(ent_a, ent_b, atol=1e-5)
+    for a, b in zip(g_a, g_b, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_shared_and_unshared_updates_agree(tmp_path, batch) -> None:
+    samples = ragged(batch)
+    shared = make_trainer(tmp_path / "a")
+    plain = make_trainer(tmp_path / "b", "trainer.share_prompts=off")
+    assert shared.share_prompts and not plain.share_prompts
+    a = shared.train(wire.Train(step=0, version=0, samples=samples)).stats
+    b = plain.train(wire.Train(step=0, version=0, samples=samples)).stats
+    assert a["tokens"] == b["tokens"] == sum(len(s.completion_ids) for s in samples)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert a["mismatch_kl"] < MISMATCH_KL_MAX
+    for x, y in zip(shared.model.parameters(), plain.model.parameters(), strict=True):
+        assert torch.allclose(x, y, atol=1e-6)
 
 
 @pytest.mark.parametrize("objective", ["pg", "ppo", "decoupled_ppo"])

@@ -22,6 +22,17 @@ through the LM head, in chunks that never hold [T, V] logits
 (losses.token_logprobs): prompt logits are never needed, and with a 49k
 vocabulary the head's logits are the largest activation of a small model.
 
+Prompt sharing (trainer.share_prompts; auto = on for CPU): the samples of a GRPO
+group share one prompt, often longer than their completions. Each group's prompt
+runs through the model once and its KV is repeated for the group's rows, which
+then run only their completions on it; the gradient of every completion flows
+back through the repeated KV into the one prompt pass. The result equals the
+unshared forward (a test checks log-probs and gradients); the trainer does
+about (P + G*C) / (G*(P + C)) of the token work, ~1/3 for 50-token prompts,
+groups of 8 and 15-token replies. Measured (bench/train_step.py, SmolLM2-135M, 32
+samples in groups of 8, bf16): 2.7x faster on one CPU core; 1.35x slower on an
+H100, where a 135M model is kernel-launch-bound and the second pass adds launches.
+
 Stats (all plain floats/ints, token means unless named otherwise): loss,
 entropy, clip_frac, ratio_min/mean/max, behav_w_min/mean/max (pi_prox /
 pi_behav), capped_frac, grad_norm (mean pre-clip norm over mini-batches), kl
@@ -41,13 +52,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from areal_aio import wire
 from areal_aio.weight_store import WeightStore
 from workers import losses
 from workers.common import EOF, Channel, configure_torch, serve
 from workers.models import load_model
-from workers.packing import micro_batches
+from workers.packing import group_micro_batches, micro_batches
 
 HEAD_CHECK_ATOL = 1e-4
 """Chunked head vs the model's own logits at init: fp32 agreement well inside this means the
@@ -58,22 +70,53 @@ model's logits are exactly lm_head(last hidden) (no scaling we do not know about
 class MicroBatch:
     """Padded inputs of a few sequences and where their completion tokens sit.
 
-    input_ids, attention_mask, select: [n, L]; select marks the positions whose
-    logits predict a completion token (position p-1+j predicts completion token j).
+    Unshared (each row is prompt + completion):
+        input_ids, attention_mask, select: [n, L]; select marks the positions whose
+        logits predict a completion token (position p-1+j predicts completion token j).
+    Shared (share_prompts: each group's prompt runs once, its completions on that KV):
+        prompt_ids, prompt_mask: [g, P] right-padded prompts; prompt_last [g]: the
+        column of each prompt's last token; row_group [n]: the prompt of each row;
+        input_ids [n, C] right-padded completions; attention_mask [n, P + C] (the row's
+        prompt mask, then its completion mask); position_ids [n, C]; select [n, C]: the
+        completion tokens, whose logits come from the previous position (the prompt's
+        last token for j = 0).
     targets, behav, adv: [T] with T = select.sum(), in row-major order of select.
     """
 
-    index: list[int]  # sample indices in the batch
+    index: list[int]  # sample indices in the batch, one per row
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     select: torch.Tensor
     targets: torch.Tensor
     behav: torch.Tensor
     adv: torch.Tensor
+    prompt_ids: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+    prompt_last: torch.Tensor | None = None
+    row_group: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
         return int(self.targets.numel())
+
+    @property
+    def shared(self) -> bool:
+        return self.prompt_ids is not None
+
+
+def _flat_targets(samples: list[wire.TrainSample], index: list[int], adv: torch.Tensor,
+                  device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """targets, behav, per-token adv [T] of samples[index], row after row."""
+    targets, behav, tok_adv = [], [], []
+    for i in index:
+        s = samples[i]
+        targets.extend(s.completion_ids)
+        behav.extend(s.logprobs)
+        tok_adv.extend([float(adv[i])] * len(s.completion_ids))
+    return (torch.tensor(targets, dtype=torch.long, device=device),
+            torch.tensor(behav, dtype=torch.float32, device=device),
+            torch.tensor(tok_adv, dtype=torch.float32, device=device))
 
 
 def build_micro_batch(samples: list[wire.TrainSample], index: list[int], adv: torch.Tensor,
@@ -84,25 +127,55 @@ def build_micro_batch(samples: list[wire.TrainSample], index: list[int], adv: to
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((n, width), dtype=torch.long)
     select = torch.zeros((n, width), dtype=torch.bool)
-    targets, behav, tok_adv = [], [], []
     for row, i in enumerate(index):
         s = samples[i]
         p, c = len(s.prompt_ids), len(s.completion_ids)
         input_ids[row, :p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
         attention_mask[row, :p + c] = 1
         select[row, p - 1:p + c - 1] = True
-        targets.extend(s.completion_ids)
-        behav.extend(s.logprobs)
-        tok_adv.extend([float(adv[i])] * c)
+    return MicroBatch(list(index), input_ids.to(device), attention_mask.to(device),
+                      select.to(device), *_flat_targets(samples, index, adv, device))
+
+
+def build_shared_micro_batch(samples: list[wire.TrainSample], groups: list[list[int]],
+                             adv: torch.Tensor, pad_id: int, device: str) -> MicroBatch:
+    """Tensors of `groups` (lists of sample indices with one prompt each) for the shared
+    forward: prompts once, completions on their prompt's KV (see MicroBatch)."""
+    prompts = [samples[g[0]].prompt_ids for g in groups]
+    index = [i for g in groups for i in g]
+    width_p = max(map(len, prompts))
+    width_c = max(max(len(samples[i].completion_ids) for i in index), 1)
+    prompt_ids = torch.full((len(groups), width_p), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(groups), width_p), dtype=torch.long)
+    for g, prompt in enumerate(prompts):
+        prompt_ids[g, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        prompt_mask[g, :len(prompt)] = 1
+    row_group = torch.tensor([g for g, members in enumerate(groups) for _ in members], dtype=torch.long)
+    n = len(index)
+    input_ids = torch.full((n, width_c), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros((n, width_c), dtype=torch.long)
+    position_ids = torch.zeros((n, width_c), dtype=torch.long)
+    for row, i in enumerate(index):
+        s = samples[i]
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        input_ids[row, :c] = torch.tensor(s.completion_ids, dtype=torch.long)
+        completion_mask[row, :c] = 1
+        position_ids[row] = torch.arange(p, p + width_c)
+    attention_mask = torch.cat([prompt_mask.index_select(0, row_group), completion_mask], dim=1)
     return MicroBatch(
-        index=list(index),
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        select=select.to(device),
-        targets=torch.tensor(targets, dtype=torch.long, device=device),
-        behav=torch.tensor(behav, dtype=torch.float32, device=device),
-        adv=torch.tensor(tok_adv, dtype=torch.float32, device=device),
-    )
+        index, input_ids.to(device), attention_mask.to(device),
+        completion_mask.bool().to(device), *_flat_targets(samples, index, adv, device),
+        prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
+        prompt_last=torch.tensor([len(p) - 1 for p in prompts], device=device),
+        row_group=row_group.to(device), position_ids=position_ids.to(device))
+
+
+def prompt_groups(samples: list[wire.TrainSample], lo: int, hi: int) -> list[list[int]]:
+    """Indices lo..hi-1 grouped by (group id, prompt), in order of first appearance."""
+    groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for i in range(lo, hi):
+        groups.setdefault((samples[i].group, tuple(samples[i].prompt_ids)), []).append(i)
+    return list(groups.values())
 
 
 def check_samples(samples: list[wire.TrainSample]) -> None:
@@ -140,6 +213,15 @@ class _Stats:
             self.kl += float(kl.detach().sum())
 
 
+def _adamw(params: list[torch.Tensor], **kw: float) -> torch.optim.AdamW:
+    """AdamW, fused where this torch build has it for the parameters' device: one kernel over
+    all parameters (4x faster than the per-tensor loop on one CPU core for 135M parameters)."""
+    try:
+        return torch.optim.AdamW(params, fused=True, **kw)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(params, **kw)
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -165,8 +247,7 @@ class Trainer:
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.pad_id = int(pad) if pad is not None else 0
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=self.cfg["lr"],
-                                     weight_decay=self.cfg["weight_decay"])
+        self.opt = _adamw(self.params, lr=self.cfg["lr"], weight_decay=self.cfg["weight_decay"])
         self.ref = None
         if self.cfg["kl_coef"] > 0 and self.cfg["kl_ref"] == "ref":
             self.ref = copy.deepcopy(self.model).requires_grad_(False)  # frozen v0
@@ -176,6 +257,10 @@ class Trainer:
         self.store = WeightStore(shm_dir)
         self.version = 0
         self._fast_head = self._check_head()
+        # the shared path takes logits from lm_head(hidden), so it needs the fast head
+        share = self.cfg.get("share_prompts", "auto")
+        on_cpu = torch.device(self.device).type == "cpu"
+        self.share_prompts = self._fast_head and (share == "on" or (share == "auto" and on_cpu))
 
     # ---- forward -------------------------------------------------------------------------
 
@@ -190,8 +275,9 @@ class Trainer:
         logits / temperature; call inside `_autocast()`."""
         fast = self._fast_head if fast is None else fast
         if fast:
-            hidden = model.base_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                                      use_cache=False).last_hidden_state  # [n, L, H]
+            hidden = self._shared_hidden(model, mb) if mb.shared else model.base_model(
+                input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                use_cache=False).last_hidden_state  # [n, L, H]
             head = model.get_output_embeddings().weight  # [V, H]
             on = torch.is_autocast_enabled(torch.device(self.device).type)
             dtype = torch.bfloat16 if on else None  # autocast does not reach a Function's backward
@@ -203,6 +289,27 @@ class Trainer:
         logp = logits.gather(1, mb.targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
         with torch.no_grad():
             return logp, losses.entropy_from_logits(logits)
+
+    @staticmethod
+    def _shared_hidden(model: Any, mb: MicroBatch) -> torch.Tensor:
+        """Hidden states [n, C, H] whose position j predicts completion token j: the prompts
+        run once ([g, P]), their KV is repeated for each row of the group (the gradient of
+        every completion flows back into its prompt), the completions run on it."""
+        cache = DynamicCache(config=model.config)
+        prompt_hidden = model.base_model(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask,
+                                         past_key_values=cache, use_cache=True).last_hidden_state
+        for layer in cache.layers:  # [g, kv_heads, P, D] -> [n, kv_heads, P, D]
+            layer.keys = layer.keys.index_select(0, mb.row_group)
+            layer.values = layer.values.index_select(0, mb.row_group)
+        last = prompt_hidden[torch.arange(len(mb.prompt_last), device=mb.prompt_last.device),
+                             mb.prompt_last]  # [g, H]
+        first = last.index_select(0, mb.row_group)[:, None]  # [n, 1, H]: predicts token 0
+        if mb.input_ids.shape[1] == 1:
+            return first
+        hidden = model.base_model(input_ids=mb.input_ids[:, :-1], attention_mask=mb.attention_mask[:, :-1],
+                                  position_ids=mb.position_ids[:, :-1], past_key_values=cache,
+                                  use_cache=True).last_hidden_state  # [n, C-1, H]
+        return torch.cat([first, hidden], dim=1)
 
     def _check_head(self) -> bool:
         """True when the logits are exactly lm_head(last hidden) (no bias, softcap or scaling),
@@ -227,6 +334,21 @@ class Trainer:
 
     # ---- one update ----------------------------------------------------------------------
 
+    def _micro_batches(self, samples: list[wire.TrainSample], lo: int, hi: int,
+                       adv: torch.Tensor) -> list[MicroBatch]:
+        """samples[lo:hi] in token-budget micro-batches: groups whole when prompts are shared."""
+        if self.share_prompts:
+            groups = prompt_groups(samples, lo, hi)
+            packs = group_micro_batches(
+                [len(samples[g[0]].prompt_ids) for g in groups],
+                [[len(samples[i].completion_ids) for i in g] for g in groups], self.cfg["micro_tokens"])
+            return [build_shared_micro_batch(samples, [groups[k] for k in pack], adv, self.pad_id,
+                                             self.device) for pack in packs]
+        lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in range(lo, hi)]
+        return [build_micro_batch(samples, [lo + j for j in mb], adv, self.pad_id, self.device)
+                for mb in micro_batches(lengths, self.cfg["micro_tokens"])]
+
+
     def train(self, msg: wire.Train) -> wire.Trained:
         """One PPO-family update on msg.samples, then publish v<version+1> and return Trained."""
         t0 = time.perf_counter()
@@ -247,10 +369,7 @@ class Trainer:
         bounds = [round(k * len(samples) / n_mini) for k in range(n_mini + 1)]
         plan: list[list[MicroBatch]] = []
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids)
-                       for i in range(lo, hi)]
-            plan.append([build_micro_batch(samples, [lo + j for j in mb], adv, self.pad_id, self.device)
-                         for mb in micro_batches(lengths, cfg["micro_tokens"])])
+            plan.append(self._micro_batches(samples, lo, hi, adv))
 
         t_prox = time.perf_counter()
         prox: dict[int, torch.Tensor] = {}  # id(micro-batch) -> [T]
