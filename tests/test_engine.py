@@ -262,3 +262,25 @@ def test_update_weights_with_a_missing_file_raises(tiny, tmp_path):
     engine = Engine(copy.deepcopy(model), tok)
     with pytest.raises(Exception, match="no such weight version"):
         engine.update_weights(1, str(tmp_path / "v1.safetensors"))
+
+
+def test_a_prefill_whose_rows_all_finish_at_once_leaves_the_batch_intact(tiny, tmp_path):
+    """A rows-all-done prefill (admitted with one token left, or rebuilt one token before its
+    limit) merges nothing into a running batch: once a crash in an areal run on a GPU."""
+    model, tok = tiny
+    model = copy.deepcopy(model)
+    path = WeightStore(tmp_path).publish(_perturbed(model, seed=2), 1)
+    engine = Engine(model, tok, max_batch=4, seed=2)
+    engine.add(Request("long", encode_prompt(tok, PROMPTS[0]), 12, 0.8, 1.0))
+    engine.add(Request("short", encode_prompt(tok, PROMPTS[1]), 4, 0.8, 1.0))
+    out = {c.request_id: c for c in engine.run_chunk(1)}  # 2 tokens each
+    assert not out and len(engine.batch) == 2
+    engine.add(Request("one", encode_prompt(tok, PROMPTS[2]), 1, 0.8, 1.0))  # done at admission
+    out.update((c.request_id, c) for c in engine.step())
+    assert "one" in out and len(out["one"].completion_ids) == 1 and len(engine.batch) == 2
+    # "short" has 3 of 4 tokens: its rebuild samples the last one and finishes in its own pass
+    loaded, done = engine.update_weights(1, str(path))
+    assert loaded.rebuilt == 2 and [c.request_id for c in done] == ["short"]
+    out.update((c.request_id, c) for c in done)
+    out.update(_drain(engine))
+    assert len(out["long"].completion_ids) == 12 and out["long"].versions[-1] == 1

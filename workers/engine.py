@@ -179,6 +179,8 @@ class _Batch:
 
     def merge(self, other: _Batch) -> None:
         """Append `other`'s rows; the shorter side is left-padded so columns stay right-aligned."""
+        if not other.seqs:  # every row of a prefill finished on its first token: nothing cached
+            return
         if not self.seqs:
             self.seqs, self.cache, self.mask, self.pos = other.seqs, other.cache, other.mask, other.pos
             return
