@@ -203,6 +203,17 @@ def _write_safetensors(path: Path, state: dict[str, Any], dtype: Any, metadata: 
     scratch = None
     with open(path, "wb", buffering=0) as fh:
         fh.write(struct.pack("<Q", len(raw)) + raw)
+        if _gpu_staged(state.values(), dtype, header):
+            # every tensor on the GPU: queue all device-to-host copies into one page-locked
+            # buffer, wait once, write it in one go (not a synchronous copy per tensor)
+            staging = _pinned("publish", offset)
+            for name, t in state.items():
+                begin, end = header[name]["data_offsets"]
+                out = _out_dtype(t, dtype)
+                staging[begin:end].view(out).view(t.shape).copy_(t.detach().to(out), non_blocking=True)
+            torch.cuda.synchronize()
+            _write_all(fh, _as_bytes(staging))
+            return
         for t in state.values():
             out = _out_dtype(t, dtype)
             if out == t.dtype:
@@ -281,6 +292,9 @@ def load_weights(model: Any, path: str | Path) -> float:
         order = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
         fh.seek(base)
         pos = 0
+        if _gpu_staged([params[name] for name in header], None, header):
+            _load_staged(fh, path, order, params)
+            return time.perf_counter() - t0
         with torch.no_grad():
             for name, info in order:
                 begin, end = info["data_offsets"]
@@ -305,3 +319,60 @@ def load_weights(model: Any, path: str | Path) -> float:
 
 def _is_tied(model: Any, name: str) -> bool:
     return bool(getattr(model.config, "tie_word_embeddings", False)) and name.startswith("lm_head.")
+
+
+# ---- GPU models: one page-locked staging buffer per direction ----------------------------------
+
+_PINNED: dict[str, Any] = {}
+"""Reused page-locked host buffers ("publish", "load"), grown on demand: pinning is slow, reuse is free."""
+
+
+def _pinned(kind: str, nbytes: int) -> Any:
+    import torch
+
+    buf = _PINNED.get(kind)
+    if buf is None or buf.numel() < nbytes:
+        _PINNED[kind] = buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return buf[:nbytes]
+
+
+def _gpu_staged(tensors: Iterable[Any], dtype: Any, header: dict[str, Any]) -> bool:
+    """True when every tensor is on a CUDA device and every tensor's bytes start aligned
+    to its element size (so a byte slice of the staging buffer can be viewed as it)."""
+    tensors = list(tensors)
+    if not tensors or any(t.device.type != "cuda" for t in tensors):
+        return False
+    for info in header.values():
+        if isinstance(info, dict) and "data_offsets" in info:
+            size = _dtype_size(info["dtype"])
+            if size is None or info["data_offsets"][0] % size:
+                return False
+    return True
+
+
+def _dtype_size(code: str) -> int | None:
+    import torch
+
+    name = _DTYPES.get(code)
+    return getattr(torch, name).itemsize if name else None
+
+
+def _load_staged(fh: Any, path: Path, order: list[tuple[str, dict]], params: dict[str, Any]) -> None:
+    """Read the whole data region into a page-locked buffer, queue every host-to-device copy,
+    wait once."""
+    import torch
+
+    end = max((info["data_offsets"][1] for _, info in order), default=0)
+    staging = _pinned("load", end)
+    _read_into(fh, _as_bytes(staging))
+    with torch.no_grad():
+        for name, info in order:
+            begin, stop = info["data_offsets"]
+            file_dtype = getattr(torch, _DTYPES.get(info["dtype"], ""), None)
+            if file_dtype is None:
+                raise WeightStoreError(f"{path}: {name} has unsupported dtype {info['dtype']}")
+            piece = staging[begin:stop].view(file_dtype)
+            if piece.numel() != params[name].numel():
+                raise WeightStoreError(f"{path}: {name}: offsets do not match its shape")
+            params[name].copy_(piece.view(params[name].shape), non_blocking=True)
+    torch.cuda.synchronize()

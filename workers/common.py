@@ -96,8 +96,9 @@ def configure_torch(device: str, threads: int) -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass  # already set once in this process
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None:  # plain "cuda" is the current device
+        torch.cuda.set_device(dev)
 
 
 def serve(role: str, build: Any) -> int:
