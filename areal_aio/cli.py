@@ -58,7 +58,7 @@ def _run(settings, out: str | None) -> int:
 
     orchestrator = Orchestrator(settings, out_dir=out)
     try:
-        summary = _run_loop(orchestrator.run())
+        summary = run_owned(orchestrator.run())
     except KeyboardInterrupt:
         print(f"\ninterrupted; workers stopped, partial results in {orchestrator.folder}", file=sys.stderr)
         return 130
@@ -78,16 +78,23 @@ def _run(settings, out: str | None) -> int:
 
 
 async def _owning_process(coro):
-    """The CLI owns the process: SIGTERM cancels the run (Ctrl-C already does, via the runner)."""
+    """The caller owns the process: SIGTERM cancels the run (Ctrl-C already does, via the runner)."""
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    try:
+        loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals
+        return await coro
     try:
         return await coro
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
 
 
-def _run_loop(coro):
+def run_owned(coro):
+    """Run `coro` on a fresh uvloop loop as the process's main job: Ctrl-C raises
+    KeyboardInterrupt and SIGTERM raises CancelledError here, each after the coroutine's own
+    cleanup ran (for an Orchestrator: workers stopped, /dev/shm folder removed). Used by the
+    CLI and the bench scripts."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it

@@ -12,6 +12,7 @@ Both record what happened (`log`) so tests can check ordering and overlap.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import time
@@ -21,6 +22,7 @@ from typing import Any
 from areal_aio import wire
 
 
+@functools.lru_cache(maxsize=4096)
 def solving_policy(prompt: str, version: int) -> str:
     """Answers `a + b` correctly once the policy is at version >= 2, tagged from version 4."""
     numbers = [int(x) for x in re.findall(r"\d+", prompt)[:2]]
@@ -34,8 +36,12 @@ class FakeRollout:
     role = "rollout"
 
     def __init__(self, *, tokens: int = 4, token_delay_s: float = 0.0, interrupt: bool = True,
-                 policy: Callable[[str, int], str] = solving_policy, fail_on: str | None = None) -> None:
+                 policy: Callable[[str, int], str] = solving_policy, fail_on: str | None = None,
+                 instant: bool = False) -> None:
+        """instant: answer each Generate inside `send` (no task, no token loop): the cheapest
+        possible worker, so a benchmark of the controller times the controller alone."""
         self.tokens = tokens
+        self.instant = instant
         self.token_delay_s = token_delay_s
         self.interrupt = interrupt
         self.policy = policy
@@ -85,6 +91,12 @@ class FakeRollout:
     def _start(self, msg: wire.Generate) -> None:
         self.log.append((time.perf_counter(), "generate", msg.request_id))
         self._interrupts[msg.request_id] = 0
+        if self.instant:
+            versions = [self.version] * self.tokens
+            self._out.put_nowait(self._completion(msg.request_id, list(range(self.tokens)), versions,
+                                                  "stop", self.policy(msg.prompt, self.version)))
+            self.log.append((time.perf_counter(), "done", msg.request_id))
+            return
         self._running[msg.request_id] = asyncio.create_task(self._generate(msg))
 
     async def _load(self) -> None:

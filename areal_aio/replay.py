@@ -24,10 +24,10 @@ class Group:
     group_id: int
     task: Any
     samples: Sequence[Any]  # each has .oldest_version
+    oldest_version: int = field(init=False)  # of any token in the group; fixed once rewarded
 
-    @property
-    def oldest_version(self) -> int:
-        return min(s.oldest_version for s in self.samples)
+    def __post_init__(self) -> None:
+        self.oldest_version = min(s.oldest_version for s in self.samples)
 
 
 @dataclass(slots=True)

@@ -75,12 +75,13 @@ def _comparable(tree: dict) -> dict:
 
 async def run_grid(cells: Sequence[Cell], out_dir: Path, *, settings_path: str | Path | None,
                    overrides: Sequence[str] = (), run_fn: RunFn = run_orchestrator,
-                   log: Callable[[str], None] | None = None) -> list[dict]:
+                   log: Callable[[str], None] | None = None, run_missing: bool = True) -> list[dict]:
     """Run every cell not yet finished, one after another; one record per cell, in order.
 
     A record is the cell's labels plus `cell`, `folder`, `status` (reused | ran | failed)
     and `summary` (the run's summary; a failed run's has its error). Settings are the file,
     then `overrides`, then the cell's own overrides (so the grid's dimensions win).
+    run_missing=False reports the finished cells only (no record for the others, nothing deleted).
     """
     log = log or _stderr
     records = []
@@ -89,6 +90,9 @@ async def run_grid(cells: Sequence[Cell], out_dir: Path, *, settings_path: str |
         folder = out_dir / "runs" / cell.name
         summary = finished_summary(folder, settings)
         status = "reused"
+        if summary is None and not run_missing:
+            log(f"[{i}/{len(cells)}] {cell.name}: not finished, left out")
+            continue
         if summary is None:
             if folder.exists():
                 log(f"[{i}/{len(cells)}] {cell.name}: unfinished or different settings, rerunning")
@@ -122,13 +126,19 @@ def _stderr(line: str) -> None:
 
 
 def run_loop(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run a coroutine on a fresh loop, uvloop where available (as `python -m areal_aio run` does)."""
+    """Run a coroutine as `python -m areal_aio run` does (uvloop; SIGTERM and Ctrl-C cancel it,
+    so the run in progress stops its workers and removes its /dev/shm folder); a signal ends
+    the process with 143 (SIGTERM) or 130 (Ctrl-C), and rerunning resumes the grid."""
+    from areal_aio.cli import run_owned
+
     try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
-        return asyncio.run(coro)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
+        return run_owned(coro)
+    except asyncio.CancelledError:
+        _stderr("terminated; the interrupted cell reruns next time")
+        raise SystemExit(143) from None
+    except KeyboardInterrupt:
+        _stderr("interrupted; the interrupted cell reruns next time")
+        raise SystemExit(130) from None
 
 
 # ---------------------------------------------------------------------- small helpers

@@ -1,6 +1,7 @@
 """Rollout throughput: the continuous-batching Engine against `model.generate` on the same prompts.
 
     python bench/rollout_throughput.py [--quick] [--threads 1,2] [--out DIR]
+    python bench/rollout_throughput.py --device cuda --dtype bfloat16 --threads 1 --sequences 256 --max-batch 128
 
 Every method generates the same sequences (arithmetic prompts, GRPO groups of identical
 prompts), with the same sampling (temperature, top_p) and the same max_new_tokens:
@@ -21,6 +22,7 @@ the ratios, not the absolute numbers across machines.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import signal
 import statistics
@@ -91,8 +93,9 @@ def run_generate(model: Any, tok: Any, ids: list[list[int]], max_new: int, batch
     for start in range(0, len(ids), batch):
         rows = ids[start:start + batch]
         width = max(map(len, rows))
-        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        device = model.device
+        input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
         with torch.inference_mode():
             out = model.generate(input_ids, attention_mask=mask, do_sample=True,
                                  temperature=TEMPERATURE, top_p=TOP_P, top_k=0,
@@ -111,9 +114,11 @@ def run_hf_cb(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_batc
     config = GenerationConfig(do_sample=True, temperature=TEMPERATURE, top_p=TOP_P, top_k=0,
                               max_new_tokens=max_new, eos_token_id=tok.eos_token_id,
                               pad_token_id=tok.pad_token_id)
-    cb = ContinuousBatchingConfig(return_logprobs=True, max_requests_per_batch=max_batch,
-                                  page_size=64, num_blocks=4 * max_batch,
-                                  max_batch_tokens=16 * max_batch)
+    wanted = dict(return_logprobs=True, max_requests_per_batch=max_batch, page_size=64,
+                  num_blocks=4 * max_batch, max_batch_tokens=16 * max_batch)
+    # the config's fields move between transformers releases: pass the ones this one has
+    known = inspect.signature(ContinuousBatchingConfig).parameters
+    cb = ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in known})
     t0 = time.perf_counter()
     out = model.generate_batch(ids, generation_config=config, continuous_batching_config=cb,
                                warmup=False)
@@ -150,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=32, help="engine slots (rollout.max_batch)")
     parser.add_argument("--update-every", type=int, default=None,
                         help="engine+updates: decode steps between weight loads (default 16; --quick: 4)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda (every method runs there)")
+    parser.add_argument("--dtype", default="float32", help="model dtype (rollout.dtype): float32 | bfloat16")
     parser.add_argument("--no-hf-cb", action="store_true", help="skip transformers' continuous batching")
     parser.add_argument("--out", default=str(REPO / "bench" / "out" / "rollout_throughput"))
     args = parser.parse_args(argv)
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    model, tok = load_model(spec, seed=0)
+    model, tok = load_model(spec, seed=0, dtype=args.dtype, device=args.device)
     ids = prompts(tok, sequences, args.group)
     base = SHM_BASE if SHM_BASE.parent.is_dir() else Path(tempfile.gettempdir()) / "areal_aio_shm"
     store = WeightStore.create("bench-rollout", base=base)
@@ -183,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_hf_cb:
             methods.append(("hf-cb", lambda: run_hf_cb(model, tok, ids, max_new, args.max_batch)))
         for n in threads:
-            configure_torch("cpu", n)
+            configure_torch(args.device, n)
             # warm-up: one short pass of each kind (allocator, kernels, lazy imports)
             run_engine(model, tok, ids[:args.group], 4, args.max_batch)
             run_generate(model, tok, ids[:args.group], 4, args.group)
@@ -200,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         store.close()
 
     summary = _summarize(rows, threads, args.group, load_times)
-    results = {"model": spec, "sequences": sequences, "group": args.group, "max_new_tokens": max_new,
+    results = {"model": spec, "device": args.device, "dtype": args.dtype, "sequences": sequences, "group": args.group, "max_new_tokens": max_new,
                "max_batch": args.max_batch, "temperature": TEMPERATURE, "top_p": TOP_P,
                "update_every": update_every, "rows": rows, "weight_load_s": load_times,
                "weight_load_median_s": statistics.median(load_times), **summary}
@@ -223,7 +230,8 @@ def _summarize(rows: list[dict], threads: list[int], group: int, load_times: lis
 
 
 def _print_table(results: dict) -> None:
-    print(f"\nrollout throughput: {results['model']}, {results['sequences']} sequences "
+    print(f"\nrollout throughput: {results['model']} on {results['device']} ({results['dtype']}), "
+          f"{results['sequences']} sequences "
           f"(groups of {results['group']}), max_new_tokens={results['max_new_tokens']}, "
           f"temperature={results['temperature']}, top_p={results['top_p']}")
     print(f"{'method':18s} {'threads':>7s} {'tokens':>7s} {'seconds':>8s} {'tok/s':>8s} {'x gen/b' + str(results['group']):>10s}")

@@ -2,7 +2,7 @@
 
     python bench/staleness_ablation.py [--settings settings.toml] [--set k=v ...]
         [--etas 0,1,2,4,8,16,-1] [--objectives ppo,decoupled_ppo] [--seeds 0]
-        [--steps 40] [--max-wall-s S] [--out DIR] [--quick]
+        [--steps 40] [--max-wall-s S] [--out DIR] [--quick] [--report-only]
 
 The small-scale analogue of AReaL's Table 2 / Figure 5: every cell is one real run in `areal`
 mode (interruptible generation) with `controller.max_staleness = eta` (-1 = unbounded) and
@@ -14,10 +14,9 @@ pass rate (the last eval, greedy on the held-out set) shows what staleness costs
 and `train_tokens_per_s` (completion tokens trained / wall seconds) what it buys in speed.
 
 "Unbounded" (-1) runs as max_staleness = the run's step count: no trained sample can be older
-than that, so the bound never binds (unbounded in effect), while admission stays finite. A
-literal -1 (--literal-unbounded) makes the controller admit rollouts without limit from an
-endless task stream: it admitted 10 million requests in 10 minutes of a --quick run, the
-rollout worker grew past 5 GB, and no step was trained.
+than that, so the bound never binds (unbounded in effect), and the rate rule still limits what
+is started to (steps + 1) batches ahead. --literal-unbounded runs max_staleness = -1 instead,
+where only controller.max_in_flight (auto: 8 batches) limits admission.
 
 The grid resumes like bench/time_to_threshold.py (DIR/runs/eta<eta>-<objective>-s<seed>).
 --quick: tiny-random, etas 0,2,-1, 3 steps, 2 groups of 4, 8 new tokens (a smoke run).
@@ -68,12 +67,14 @@ def eta_label(eta: int) -> str:
 
 
 def cells(etas: list[int], objectives: list[str], seeds: list[int], unbounded_as: int = UNBOUNDED) -> list[Cell]:
-    """One areal-mode cell per (objective, eta, seed); eta -1 runs as max_staleness = unbounded_as."""
+    """One areal-mode cell per (seed, eta, objective), in that order, so the objectives of
+    one eta run back to back (matched in time) and a cut-short grid still holds pairs;
+    eta -1 runs as max_staleness = unbounded_as."""
     return [Cell(f"eta{eta_label(eta)}-{objective}-s{seed}",
                  ("run.mode=areal", f"controller.max_staleness={unbounded_as if eta == UNBOUNDED else eta}",
                   f"trainer.objective={objective}", f"run.seed={seed}"),
                  {"eta": eta, "objective": objective, "seed": seed})
-            for objective in objectives for eta in etas for seed in seeds]
+            for seed in seeds for eta in etas for objective in objectives]
 
 
 def aggregate(records: list[dict]) -> dict[str, Any]:
@@ -164,8 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-wall-s", type=float, default=None, help="wall limit of one run (default: the file's)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "staleness_ablation")
     ap.add_argument("--literal-unbounded", action="store_true",
-                    help="run eta -1 as max_staleness = -1 (needs a controller that bounds in-flight rollouts)")
+                    help="run eta -1 as max_staleness = -1 (admission bounded by controller.max_in_flight alone)")
     ap.add_argument("--quick", action="store_true", help="tiny-random smoke preset (about a minute)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="table and plot of the finished cells in --out; run nothing")
     args = ap.parse_args(argv)
     etas = parse_list(args.etas, parse_eta) if args.etas else list(QUICK_ETAS if args.quick else ETAS)
     objectives = parse_list(args.objectives)
@@ -179,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     resolved_steps = load_settings(args.settings, base).run.max_steps
     unbounded_as = UNBOUNDED if args.literal_unbounded else resolved_steps
     records = run_loop(run_grid(cells(etas, objectives, seeds, unbounded_as), args.out,
-                                settings_path=args.settings, overrides=base))
+                                settings_path=args.settings, overrides=base,
+                                run_missing=not args.report_only))
     agg = aggregate(records)
     results = {"settings": str(args.settings), "overrides": base, "etas": etas, "objectives": objectives,
                "seeds": seeds, "steps": resolved_steps,

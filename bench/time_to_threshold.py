@@ -2,7 +2,7 @@
 
     python bench/time_to_threshold.py [--settings settings.toml] [--set k=v ...]
         [--modes sync,one_step,areal] [--objectives ppo,decoupled_ppo] [--seeds 0,1,2]
-        [--threshold 0.75] [--max-wall-s S] [--out DIR] [--quick]
+        [--threshold 0.75] [--report-at 0.7] [--max-wall-s S] [--out DIR] [--quick] [--report-only]
 
 Every (mode, objective, seed) cell is one real run (`Orchestrator` with its two worker
 subprocesses), the runs strictly one after another; the runs of one seed differ only in
@@ -15,7 +15,9 @@ Instruct starts well below it and a run that learns the task passes it, so the t
 learning rather than the starting point; the table shows each mode's step-0 pass rate next to
 its final one so a threshold the base model already meets (time 0 everywhere) is easy to see.
 Times are eval-granular: a threshold is noticed at the first eval at or after it
-(task.eval_every), stamped with the wall time its weights were committed.
+(task.eval_every), stamped with the wall time its weights were committed. --report-at adds
+tables for lower thresholds, read off the same runs' eval curves (a 64-prompt eval moves in
+1.6-point steps and wanders by several points, so one threshold alone is a noisy finish line).
 
 speedup_vs_sync = mean sync time / mean time of this mode, both over the seeds where BOTH runs
 reached the threshold (paired by seed); null when no seed pair did. Seeds that did not reach it
@@ -23,7 +25,7 @@ count in `reached` only. The baseline is the sync run with the same objective, e
 sync objective run.
 
 areal mode takes eta from controller.max_staleness (4 in settings.toml); -1 (unbounded) is
-unusable here until the controller bounds in-flight rollouts (see bench/staleness_ablation.py).
+bounded by controller.max_in_flight (see bench/staleness_ablation.py).
 
 The grid resumes: finished cells (DIR/runs/<mode>-<objective>-s<seed>/summary.json without error,
 same settings) are reused; an interrupted one is deleted and rerun.
@@ -75,23 +77,37 @@ SUMMARY_MEANS = ("reward_per_1k_tokens", "gen_tokens_per_s", "train_tokens_per_s
 
 def cells(modes: list[str], objectives: list[str | None], seeds: list[int], settings_path: Path | None,
           overrides: list[str]) -> list[Cell]:
-    """One cell per (mode, objective, seed); objective None = the mode's own (file or preset)."""
+    """One cell per (mode, objective, seed); objective None = the mode's own (file or preset).
+
+    Seed-major order: the matched runs of one seed run back to back, so a machine whose
+    background load drifts over hours shifts every mode of a seed alike.
+    """
     out = []
-    for mode in modes:
-        for objective in objectives:
-            dims = [f"run.mode={mode}"] + ([f"trainer.objective={objective}"] if objective else [])
-            resolved = load_settings(settings_path, [*overrides, *dims]).trainer.objective
-            for seed in seeds:
+    for seed in seeds:
+        for mode in modes:
+            for objective in objectives:
+                dims = [f"run.mode={mode}"] + ([f"trainer.objective={objective}"] if objective else [])
+                resolved = load_settings(settings_path, [*overrides, *dims]).trainer.objective
                 out.append(Cell(f"{mode}-{resolved}-s{seed}", (*dims, f"run.seed={seed}"),
                                 {"mode": mode, "objective": resolved, "seed": seed}))
     return out
 
 
-def aggregate(records: list[dict]) -> dict[str, Any]:
+def time_at(summary: dict, threshold: float) -> float | None:
+    """Wall seconds of the first eval (by step) with pass rate >= threshold, else None: a lower
+    threshold than the one a run stopped at, read off its eval curve."""
+    for row in sorted(summary.get("eval_curve") or [], key=lambda r: r["step"]):
+        if row["pass_rate"] >= threshold:
+            return row["wall_s"]
+    return None
+
+
+def aggregate(records: list[dict], threshold: float | None = None) -> dict[str, Any]:
     """Per (mode, objective): per-seed times to threshold, their spread, reached counts, speedup.
 
     `records`: run_grid's records (mode, objective, seed, status, summary). Failed runs are
-    left out of every figure and listed under `failed`.
+    left out of every figure and listed under `failed`. threshold None: each run's own
+    time_to_threshold_s; else the time read off its eval curve (`time_at`).
     """
     groups: dict[str, dict[str, Any]] = {}
     failed = []
@@ -104,7 +120,8 @@ def aggregate(records: list[dict]) -> dict[str, Any]:
         groups[key]["runs"].append(rec)
     for g in groups.values():
         runs = sorted(g.pop("runs"), key=lambda r: r["seed"])
-        times = {str(r["seed"]): r["summary"].get("time_to_threshold_s") for r in runs}
+        times = {str(r["seed"]): (r["summary"].get("time_to_threshold_s") if threshold is None
+                                  else time_at(r["summary"], threshold)) for r in runs}
         ttt = stats(list(times.values()))
         g.update(seeds=[r["seed"] for r in runs], time_to_threshold_s=times,
                  reached=sum(t is not None for t in times.values()), n_runs=len(runs),
@@ -213,9 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default=None, help="comma-separated run seeds (default 0,1,2; --quick: 0)")
     ap.add_argument("--threshold", type=float, default=None,
                     help=f"eval pass rate that stops a run (default {DEFAULT_THRESHOLD}; --quick {QUICK_THRESHOLD})")
+    ap.add_argument("--report-at", default="",
+                    help="comma-separated lower thresholds also reported, read off the same runs' eval curves")
     ap.add_argument("--max-wall-s", type=float, default=None, help="wall limit of one run (default: the file's)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "time_to_threshold")
     ap.add_argument("--quick", action="store_true", help="tiny-random smoke preset (about a minute)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="table and plot of the finished cells in --out; run nothing")
     args = ap.parse_args(argv)
     modes = parse_list(args.modes)
     objectives = parse_list(args.objectives) or [None]
@@ -228,9 +249,16 @@ def main(argv: list[str] | None = None) -> int:
             *([f"run.max_wall_s={args.max_wall_s}"] if args.max_wall_s else []), *args.overrides]
     grid = cells(modes, objectives, seeds, args.settings, base)
 
-    records = run_loop(run_grid(grid, args.out, settings_path=args.settings, overrides=base))
+    records = run_loop(run_grid(grid, args.out, settings_path=args.settings, overrides=base,
+                                run_missing=not args.report_only))
     agg = aggregate(records)
+    extra = [t for t in parse_list(args.report_at, float) if t < threshold]
+    also = {str(t): aggregate(records, t) for t in extra}
     results = {"settings": str(args.settings), "overrides": base, "threshold": threshold, "modes": modes,
+               "also_at": {t: {k: {"time_to_threshold_s": g["time_to_threshold_s"], "reached": g["reached"],
+                                   "ttt_mean": g["ttt_mean"], "speedup_vs_sync": g["speedup_vs_sync"],
+                                   "speedup_seeds": g["speedup_seeds"]} for k, g in a["groups"].items()}
+                           for t, a in also.items()},
                "objectives": [o or "own" for o in objectives], "seeds": seeds, **agg,
                "runs": [{k: r[k] for k in ("cell", "mode", "objective", "seed", "status", "folder")}
                         | {"time_to_threshold_s": r["summary"].get("time_to_threshold_s"),
@@ -239,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                            "error": r["summary"].get("error")} for r in records]}
     write_json(args.out / "results.json", results)
     print_results(agg, threshold)
+    for t, a in also.items():
+        print_results(a, float(t))
     plot(records, agg, threshold, args.out / "time_to_threshold.png")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'time_to_threshold.png'}", file=sys.stderr)
     return 1 if agg["failed"] else 0

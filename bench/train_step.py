@@ -1,15 +1,20 @@
-"""One trainer update on CPU: seconds and tokens/s, fp32 vs bf16 autocast, 1 and 2 threads.
+"""One trainer update: seconds and tokens/s of fp32, bf16 autocast, and bf16 with shared prompts.
 
-    batch: 32 sequences (8 with --quick) of ~50 prompt + 64 completion tokens (random ids, fixed seed)
+    batch: 32 sequences (8 with --quick) in groups of 8, ~50 prompt + 64 completion tokens
+           (random ids, fixed seed; --completion-tokens 16 is closer to a run's replies)
     update: Trainer.train = prox recompute + forward/backward + AdamW step + publish (all in)
 
-The two trainers (fp32 and bf16 autocast, both with fp32 master weights) run
-interleaved, repeat by repeat, so both see the same background load of a
-shared machine; compare them only within one run. 1 thread is a trainer's
-share of a 2-core box (the rollout worker has the other core).
+    fp32         fp32 forward/backward, each row is prompt + completion
+    bf16         bf16 autocast (fp32 master weights), each row is prompt + completion
+    bf16-shared  bf16, and each group's prompt runs once (trainer.share_prompts)
 
-    python -m bench.train_step             # SmolLM2-135M, 1 warm-up + 2 timed updates each
-    python -m bench.train_step --quick     # tiny-random, seconds
+The trainers run interleaved, repeat by repeat, so all see the same background
+load of a shared machine; compare them only within one run. 1 thread is a
+trainer's share of a 2-core box (the rollout worker has the other core).
+
+    python bench/train_step.py             # SmolLM2-135M, 1 warm-up + 2 timed updates each
+    python bench/train_step.py --quick     # tiny-random, seconds
+    python bench/train_step.py --device cuda --threads 1 --repeats 5
 """
 
 from __future__ import annotations
@@ -43,17 +48,30 @@ BEHAV_LOGPROB = -2.0
 GROUP = 8
 
 
-def make_batch(vocab: int, seqs: int = SEQS, seed: int = 0) -> list[wire.TrainSample]:
+VARIANTS = {"fp32": ("false", "off"), "bf16": ("true", "off"), "bf16-shared": ("true", "on")}
+"""name -> (trainer.bf16, trainer.share_prompts)"""
+
+
+def make_batch(vocab: int, seqs: int = SEQS, seed: int = 0,
+               completion_tokens: int = COMPLETION_TOKENS) -> list[wire.TrainSample]:
+    """Groups of GROUP samples sharing one random prompt, as a GRPO batch has them."""
     rng = random.Random(seed)
     out = []
+    prompt: list[int] = []
     for i in range(seqs):
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(*PROMPT_TOKENS))]
-        completion = [rng.randrange(vocab) for _ in range(COMPLETION_TOKENS)]
+        if i % GROUP == 0:
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(*PROMPT_TOKENS))]
+        completion = [rng.randrange(vocab) for _ in range(completion_tokens)]
         out.append(wire.TrainSample(prompt_ids=prompt, completion_ids=completion,
-                                    logprobs=[BEHAV_LOGPROB] * COMPLETION_TOKENS,
-                                    versions=[0] * COMPLETION_TOKENS,
+                                    logprobs=[BEHAV_LOGPROB] * completion_tokens,
+                                    versions=[0] * completion_tokens,
                                     reward=float(rng.random() < 0.5), group=i // GROUP))
     return out
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -64,10 +82,11 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
     threads = sorted({r["threads"] for r in rows})
     fig, ax = plt.subplots(figsize=(7, 4))
-    for k, precision in enumerate(("fp32", "bf16")):
-        sel = [next(r for r in rows if r["threads"] == t and r["precision"] == precision) for t in threads]
-        xs = [i + (k - 0.5) * 0.38 for i in range(len(threads))]
-        ax.bar(xs, [r["seconds"] for r in sel], 0.38, label=precision)
+    width = 0.8 / len(VARIANTS)
+    for k, variant in enumerate(VARIANTS):
+        sel = [next(r for r in rows if r["threads"] == t and r["variant"] == variant) for t in threads]
+        xs = [i + (k - (len(VARIANTS) - 1) / 2) * width for i in range(len(threads))]
+        ax.bar(xs, [r["seconds"] for r in sel], width, label=variant)
         for x, r in zip(xs, sel, strict=True):
             ax.text(x, r["seconds"] * 1.01, f"{r['tokens_per_s']:.0f} tok/s", ha="center", fontsize=8)
     ax.set_xticks(range(len(threads)), [f"{t} thread{'s' if t > 1 else ''}" for t in threads])
@@ -88,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     ap.add_argument("--micro-tokens", type=int, default=None,
                     help="trainer.micro_tokens (default: the settings default)")
+    ap.add_argument("--completion-tokens", type=int, default=COMPLETION_TOKENS,
+                    help="tokens per completion (prompts are ~50)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda")
     ap.add_argument("--out", type=Path, default=Path("bench/out/train_step"))
     args = ap.parse_args(argv)
     spec = args.model or (TINY if args.quick else SMOLLM2)
@@ -96,64 +118,71 @@ def main(argv: list[str] | None = None) -> int:
 
     seqs = QUICK_SEQS if args.quick else SEQS
     base, tok = load_model(spec, seed=0)
-    batch = make_batch(len(tok), seqs)
-    overrides = [f"model.path={spec}", f"trainer.batch_size={seqs}", f"rollout.group_size={GROUP}"]
+    batch = make_batch(len(tok), seqs, completion_tokens=args.completion_tokens)
+    overrides = [f"model.path={spec}", f"trainer.batch_size={seqs}", f"rollout.group_size={GROUP}",
+                 f"trainer.device={args.device}", f"rollout.device={args.device}"]
     if args.micro_tokens:
         overrides.append(f"trainer.micro_tokens={args.micro_tokens}")
     stores, trainers = [], {}
     try:
-        for precision in ("fp32", "bf16"):
-            s = build_settings({}, (*overrides, f"trainer.bf16={'true' if precision == 'bf16' else 'false'}"))
-            store = WeightStore.create(f"bench-train-step-{precision}", base=SHM_BASE)
+        for variant, (bf16, share) in VARIANTS.items():
+            s = build_settings({}, (*overrides, f"trainer.bf16={bf16}", f"trainer.share_prompts={share}"))
+            store = WeightStore.create(f"bench-train-step-{variant}", base=SHM_BASE)
             stores.append(store)
-            model = base if precision == "bf16" else load_model(spec, seed=0)[0]
-            trainers[precision] = Trainer(s.to_dict(), store.root, model=model, tokenizer=tok)
+            model = base if not trainers else load_model(spec, seed=0)[0]
+            trainers[variant] = Trainer(s.to_dict(), store.root, model=model, tokenizer=tok)
         samples: dict[tuple[int, str], list[dict[str, Any]]] = {}
         for threads in thread_counts:
             torch.set_num_threads(threads)
             for tr in trainers.values():  # warm-up at this thread count
                 tr.train(wire.Train(step=tr.version, version=tr.version, samples=batch))
             for _ in range(repeats):
-                for precision, tr in trainers.items():
+                for variant, tr in trainers.items():
+                    _sync(args.device)
                     t0 = time.perf_counter()
                     reply = tr.train(wire.Train(step=tr.version, version=tr.version, samples=batch))
+                    _sync(args.device)
                     st = dict(reply.stats, wall_s=time.perf_counter() - t0)
-                    samples.setdefault((threads, precision), []).append(st)
-                    print(f"  threads={threads} {precision}: {st['wall_s']:.2f}s", file=sys.stderr, flush=True)
+                    samples.setdefault((threads, variant), []).append(st)
+                    print(f"  threads={threads} {variant}: {st['wall_s']:.2f}s", file=sys.stderr, flush=True)
     finally:
         for store in stores:
             store.close()
 
-    completion = seqs * COMPLETION_TOKENS
+    completion = seqs * args.completion_tokens
     all_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in batch)
     rows = []
-    for (threads, precision), runs in samples.items():
+    for (threads, variant), runs in samples.items():
         sec = statistics.median(r["wall_s"] for r in runs)
-        rows.append({"threads": threads, "precision": precision, "seconds": sec,
+        rows.append({"threads": threads, "variant": variant, "seconds": sec,
                      "tokens_per_s": completion / sec, "all_tokens_per_s": all_tokens / sec,
                      "prox_s": statistics.median(r["prox_s"] for r in runs),
                      "publish_s": statistics.median(r["publish_s"] for r in runs),
                      "runs": [r["wall_s"] for r in runs]})
     for r in rows:
-        fp32 = next(x for x in rows if x["threads"] == r["threads"] and x["precision"] == "fp32")
-        r["speedup_vs_fp32"] = fp32["seconds"] / r["seconds"]
+        same = {x["variant"]: x["seconds"] for x in rows if x["threads"] == r["threads"]}
+        r["speedup_vs_fp32"] = same["fp32"] / r["seconds"]
+        r["speedup_vs_bf16"] = same["bf16"] / r["seconds"]
 
-    print(f"train step, {spec}: {seqs} seqs x (~{sum(PROMPT_TOKENS) // 2} prompt + {COMPLETION_TOKENS} "
-          f"completion) tokens, median of {repeats} after 1 warm-up")
-    print(f"{'threads':>7}  {'precision':<9}{'s/update':>10}{'compl tok/s':>13}{'all tok/s':>11}"
-          f"{'prox s':>9}{'publish s':>11}{'vs fp32':>9}")
-    for r in sorted(rows, key=lambda r: (r["threads"], r["precision"] != "fp32")):
-        print(f"{r['threads']:>7}  {r['precision']:<9}{r['seconds']:>10.2f}{r['tokens_per_s']:>13.1f}"
+    print(f"train step, {spec} on {args.device}: {seqs} seqs in groups of {GROUP} x "
+          f"(~{sum(PROMPT_TOKENS) // 2} prompt + {args.completion_tokens} completion) tokens, "
+          f"median of {repeats} after 1 warm-up")
+    print(f"{'threads':>7}  {'variant':<12}{'s/update':>10}{'compl tok/s':>13}{'all tok/s':>11}"
+          f"{'prox s':>9}{'publish s':>11}{'vs fp32':>9}{'vs bf16':>9}")
+    order = list(VARIANTS)
+    for r in sorted(rows, key=lambda r: (r["threads"], order.index(r["variant"]))):
+        print(f"{r['threads']:>7}  {r['variant']:<12}{r['seconds']:>10.2f}{r['tokens_per_s']:>13.1f}"
               f"{r['all_tokens_per_s']:>11.1f}{r['prox_s']:>9.2f}{r['publish_s']:>11.3f}"
-              f"{r['speedup_vs_fp32']:>8.2f}x")
+              f"{r['speedup_vs_fp32']:>8.2f}x{r['speedup_vs_bf16']:>8.2f}x")
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"peak RSS {peak_gib:.1f} GiB (both trainers)")
+    print(f"peak RSS {peak_gib:.1f} GiB (all trainers)")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
         {"model": spec, "seqs": seqs, "completion_tokens": completion, "all_tokens": all_tokens,
          "repeats": repeats, "micro_tokens": trainers["fp32"].cfg["micro_tokens"],
+         "device": args.device, "completion_tokens_each": args.completion_tokens,
          "peak_rss_gib": peak_gib, "rows": rows}, indent=2))
-    plot(rows, args.out / "train_step.png", f"one trainer update on CPU ({spec})")
+    plot(rows, args.out / "train_step.png", f"one trainer update on {args.device} ({spec})")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'train_step.png'}", file=sys.stderr)
     return 0
 

@@ -121,22 +121,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help=f"model spec (default {SMOLLM2}; {TINY} with --quick)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a worker's share)")
+    ap.add_argument("--device", default="cpu",
+                    help="where both models live: cpu | cuda (then publish and load include the copies off and onto the GPU)")
     ap.add_argument("--out", type=Path, default=Path("bench/out/weight_sync"))
     args = ap.parse_args(argv)
     spec = args.model or (TINY if args.quick else SMOLLM2)
     repeats = args.repeats or (3 if args.quick else 7)
     torch.set_num_threads(args.threads)
-    src, _ = load_model(spec, seed=0)
+    src, _ = load_model(spec, seed=0, device=args.device)
     store = WeightStore.create("bench-weight-sync", base=SHM_BASE)
     results = []
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            dst, _ = load_model(spec, seed=1, dtype=str(dtype).removeprefix("torch."))
+            dst, _ = load_model(spec, seed=1, dtype=str(dtype).removeprefix("torch."), device=args.device)
             results.append(run_case(store, src, dst, dtype, repeats))
             del dst
     finally:
         store.close()
-    print(f"weight sync, {spec}, {repeats} repeats (median), threads={args.threads}, store in {SHM_BASE}")
+    print(f"weight sync, {spec} on {args.device}, {repeats} repeats (median), threads={args.threads}, "
+          f"store in {SHM_BASE}")
     print(f"{'rollout dtype':<14}{'MiB':>8}{'publish s':>11}{'load s':>9}{'raw w s':>9}"
           f"{'raw r s':>9}{'store GB/s':>11}{'raw GB/s':>10}{'ratio':>8}")
     for r in results:
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target: ratio <= {TARGET_RATIO}: {'met' if ok else 'MISSED'}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
-        {"model": spec, "repeats": repeats, "threads": args.threads, "target_ratio": TARGET_RATIO,
+        {"model": spec, "device": args.device, "repeats": repeats, "threads": args.threads, "target_ratio": TARGET_RATIO,
          "met": ok, "cases": results}, indent=2))
     plot(results, args.out / "weight_sync.png", f"weight sync through /dev/shm ({spec})")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'weight_sync.png'}", file=sys.stderr)

@@ -79,6 +79,15 @@ def test_speedup_falls_back_to_the_only_sync_objective_and_never_divides_by_zero
     assert no_sync["groups"]["areal/decoupled_ppo"]["speedup_vs_sync"] is None
 
 
+def test_lower_thresholds_are_read_off_the_eval_curve():
+    # summary(): step 0 at 0.1, step 10 (90 s) at the final rate
+    agg = time_to_threshold.aggregate([record("sync", 0, None, final=0.4), record("areal", 0, None, final=0.6)], 0.3)
+    assert agg["groups"]["sync/decoupled_ppo"]["time_to_threshold_s"] == {"0": 90.0}
+    assert agg["groups"]["areal/decoupled_ppo"]["speedup_vs_sync"] == pytest.approx(1.0)
+    assert time_to_threshold.time_at(summary(None, final=0.4, initial=0.1), 0.05) == 0.0
+    assert time_to_threshold.time_at(summary(None, final=0.4), 0.5) is None
+
+
 def test_stats_ignores_missing_values():
     assert stats([None, 2.0, 4.0]) == {"mean": 3.0, "min": 2.0, "max": 4.0}
     assert stats([None]) == {"mean": None, "min": None, "max": None}
@@ -87,8 +96,8 @@ def test_stats_ignores_missing_values():
 def test_time_to_threshold_cells_name_the_resolved_objective():
     settings = REPO / "settings.toml"
     own = time_to_threshold.cells(["sync", "areal"], [None], [0, 1], settings, [])
-    assert [c.name for c in own] == ["sync-decoupled_ppo-s0", "sync-decoupled_ppo-s1",
-                                     "areal-decoupled_ppo-s0", "areal-decoupled_ppo-s1"]
+    assert [c.name for c in own] == ["sync-decoupled_ppo-s0", "areal-decoupled_ppo-s0",
+                                     "sync-decoupled_ppo-s1", "areal-decoupled_ppo-s1"]
     chosen = time_to_threshold.cells(["areal"], ["ppo"], [2], settings, [])
     assert chosen[0].name == "areal-ppo-s2" and "trainer.objective=ppo" in chosen[0].overrides
     assert time_to_threshold.cells(["sync"], [None], [0], settings, ["trainer.objective=pg"])[0].name == "sync-pg-s0"
@@ -112,6 +121,9 @@ def test_staleness_aggregate_orders_etas_and_relates_throughput_to_eta0():
     assert staleness_ablation.parse_eta("unbounded") == -1 == staleness_ablation.parse_eta("-1")
     grid = staleness_ablation.cells([0, -1], ["ppo"], [0], unbounded_as=40)
     assert [c.name for c in grid] == ["eta0-ppo-s0", "etainf-ppo-s0"]
+    pairs = staleness_ablation.cells([0, 4], ["ppo", "decoupled_ppo"], [0])
+    assert [c.name for c in pairs] == ["eta0-ppo-s0", "eta0-decoupled_ppo-s0", "eta4-ppo-s0",
+                                       "eta4-decoupled_ppo-s0"]
     assert "controller.max_staleness=40" in grid[1].overrides and grid[1].labels["eta"] == -1
     assert "controller.max_staleness=-1" in staleness_ablation.cells([-1], ["ppo"], [0])[0].overrides
 
@@ -157,6 +169,22 @@ async def test_grid_skips_finished_cells_and_reruns_unfinished_ones(tmp_path):
                             log=lambda _: None)
     assert calls == ["b"] and [r["status"] for r in second] == ["reused", "ran"]
     assert second[0]["summary"] == first[0]["summary"]
+
+    # report only: the finished cells, nothing run, nothing deleted
+    (b / "summary.json").unlink()
+    calls.clear()
+    report = await run_grid(CELLS, tmp_path, settings_path=None, overrides=BASE, run_fn=fake_runner(calls),
+                            log=lambda _: None, run_missing=False)
+    assert calls == [] and [r["cell"] for r in report] == ["a"] and b.exists()
+    await run_grid(CELLS, tmp_path, settings_path=None, overrides=BASE, run_fn=fake_runner(calls),
+                   log=lambda _: None)
+    assert calls == ["b"]
+    (b / "leftover").write_text("from the killed run")
+    (b / "summary.json").unlink()
+    calls.clear()
+    second = await run_grid(CELLS, tmp_path, settings_path=None, overrides=BASE, run_fn=fake_runner(calls),
+                            log=lambda _: None)
+    assert calls == ["b"]
     assert not (b / "leftover").exists(), "an unfinished cell is rerun from an empty folder"
 
     # other settings for the same cell: not the same run, so rerun (progress alone does not count)

@@ -23,10 +23,10 @@ def test_train_step_quick(tmp_path, capsys, keep_threads) -> None:
 
     assert train_step.main(["--quick", "--out", str(tmp_path)]) == 0
     table = capsys.readouterr().out
-    assert "fp32" in table and "bf16" in table
+    assert "fp32" in table and "bf16-shared" in table
     res = json.loads((tmp_path / "results.json").read_text())
-    rows = {(r["threads"], r["precision"]) for r in res["rows"]}
-    assert rows == {(1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")}
+    rows = {(r["threads"], r["variant"]) for r in res["rows"]}
+    assert rows == {(t, v) for t in (1, 2) for v in train_step.VARIANTS}
     assert all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in res["rows"])
     assert res["completion_tokens"] == train_step.QUICK_SEQS * train_step.COMPLETION_TOKENS
     assert (tmp_path / "train_step.png").stat().st_size > 1000

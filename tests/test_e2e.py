@@ -136,6 +136,27 @@ def test_cli_sigterm_stops_cleanly(tmp_path):
     assert summary["steps"] >= 1 and summary["error"] == "CancelledError"
 
 
+def test_bench_grid_sigterm_stops_its_run_cleanly(tmp_path):
+    """A grid benchmark owns its process like the CLI: SIGTERM stops the cell's workers and
+    removes its /dev/shm folder, and the process exits 143."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "time_to_threshold.py"), "--quick",
+                             "--modes", "areal", "--set", "run.max_steps=100000", "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cell = tmp_path / "runs" / "areal-decoupled_ppo-s0"
+    deadline = time.time() + 120
+    while not (cell / "steps.jsonl").exists() or not (cell / "steps.jsonl").read_text():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    events = [orjson.loads(x) for x in (cell / "events.jsonl").read_bytes().splitlines()]
+    pids = [e["pid"] for e in events if e.get("event") == "worker_ready"]
+    assert len(pids) == 2
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert not any(alive(p) for p in pids)
+    assert not [f for f in shm_folders("") if f.endswith(f"-{proc.pid}")]
+
+
 def vowel_share(task: Task, completion: str) -> float:
     """A dense synthetic reward: the share of letters that are vowels."""
     letters = [c for c in completion.lower() if c.isalpha()]
