@@ -425,11 +425,13 @@ class Orchestrator:
                 break
             wait_s = time.perf_counter() - t_wait
             await self._train_step(batch, wait_s)
-            if self.step % self.settings.task.eval_every == 0:
+            last = self.step >= self.settings.run.max_steps or self._should_stop()
+            if self.step % self.settings.task.eval_every == 0 and not last:
                 self._start_eval()
+        # the final eval gets the rollout worker to itself: training rollouts end first
+        await self._stop_generating()
         if not any(row["step"] == self.step for row in self._eval_curve) and \
                 not any(t.get_name() == f"eval-{self.step}" for t in self._evals):
-            await self._stop_generating()
             self._start_eval()
         if self._evals:
             await asyncio.gather(*self._evals)

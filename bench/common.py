@@ -78,7 +78,7 @@ async def run_grid(cells: Sequence[Cell], out_dir: Path, *, settings_path: str |
                    log: Callable[[str], None] | None = None, run_missing: bool = True) -> list[dict]:
     """Run every cell not yet finished, one after another; one record per cell, in order.
 
-    A record is the cell's labels plus `cell`, `folder`, `status` (reused | ran | failed)
+    A record is the cell's labels plus `cell`, `folder` (relative to `out_dir`), `status` (reused | ran | failed)
     and `summary` (the run's summary; a failed run's has its error). Settings are the file,
     then `overrides`, then the cell's own overrides (so the grid's dimensions win).
     run_missing=False reports the finished cells only (no record for the others, nothing deleted).
@@ -109,7 +109,7 @@ async def run_grid(cells: Sequence[Cell], out_dir: Path, *, settings_path: str |
                 log(f"[{i}/{len(cells)}] {cell.name}: FAILED: {summary['error'][:500]}")
         else:
             log(f"[{i}/{len(cells)}] {cell.name}: finished earlier, reusing its summary")
-        records.append({**cell.labels, "cell": cell.name, "folder": str(folder), "status": status,
+        records.append({**cell.labels, "cell": cell.name, "folder": f"runs/{cell.name}", "status": status,
                         "summary": summary})
     return records
 
@@ -142,6 +142,17 @@ def run_loop(coro: Coroutine[Any, Any, Any]) -> Any:
 
 
 # ---------------------------------------------------------------------- small helpers
+
+
+def shown_path(path: str | Path | None) -> str | None:
+    """`path` relative to the repository when inside it (results.json files travel between
+    machines), else as given."""
+    if path is None:
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
 
 
 def parse_list(text: str, kind: Callable[[str], Any] = str) -> list[Any]:

@@ -45,6 +45,7 @@ from bench.common import (  # noqa: E402
     pyplot,
     run_grid,
     run_loop,
+    shown_path,
     stats,
     write_json,
 )
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                                 settings_path=args.settings, overrides=base,
                                 run_missing=not args.report_only))
     agg = aggregate(records)
-    results = {"settings": str(args.settings), "overrides": base, "etas": etas, "objectives": objectives,
+    results = {"settings": shown_path(args.settings), "overrides": base, "etas": etas, "objectives": objectives,
                "seeds": seeds, "steps": resolved_steps,
                "unbounded_as_max_staleness": unbounded_as, **agg,
                "runs": [{k: r[k] for k in ("cell", "eta", "objective", "seed", "status", "folder")}

@@ -57,6 +57,7 @@ from bench.common import (  # noqa: E402
     pyplot,
     run_grid,
     run_loop,
+    shown_path,
     stats,
     write_json,
 )
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     agg = aggregate(records)
     extra = [t for t in parse_list(args.report_at, float) if t < threshold]
     also = {str(t): aggregate(records, t) for t in extra}
-    results = {"settings": str(args.settings), "overrides": base, "threshold": threshold, "modes": modes,
+    results = {"settings": shown_path(args.settings), "overrides": base, "threshold": threshold, "modes": modes,
                "also_at": {t: {k: {"time_to_threshold_s": g["time_to_threshold_s"], "reached": g["reached"],
                                    "ttt_mean": g["ttt_mean"], "speedup_vs_sync": g["speedup_vs_sync"],
                                    "speedup_seeds": g["speedup_seeds"]} for k, g in a["groups"].items()}

@@ -8,6 +8,7 @@ import random
 import orjson
 import pytest
 
+from areal_aio import wire
 from areal_aio.client import WorkerFailed
 from areal_aio.controller import Orchestrator
 from areal_aio.fakes import FakeRollout, FakeTrainer
@@ -293,3 +294,24 @@ async def test_unbounded_staleness_is_capped_by_max_in_flight(tmp_path):
     summary = await orch.run()
     assert summary["steps"] == 5 and summary["max_staleness"] is None
     assert max(outstanding) <= settings.max_in_flight == 8 * 4
+
+
+async def test_the_final_eval_runs_after_training_rollouts_end(tmp_path):
+    """max_steps a multiple of eval_every: the last eval still starts only once every training
+    rollout has been aborted or finished, so it measures the final weights alone."""
+
+    class Watching(FakeRollout):
+        seen: list[set[str]] = []
+
+        async def send(self, msg):
+            if isinstance(msg, wire.Generate) and msg.request_id.startswith("eval4."):
+                self.seen.append({r for r in self._running if not r.startswith("eval")})
+            await super().send(msg)
+
+    rollout = Watching(tokens=5, token_delay_s=0.002)
+    s = make_settings("areal", **{"run.max_steps": 4})
+    summary = await orchestrator(tmp_path, s, rollout=rollout).run()
+    assert summary["steps"] == 4 and [r["step"] for r in summary["eval_curve"]] == [0, 2, 4]
+    assert rollout.seen and all(not running for running in rollout.seen)
+    first_eval = next(i for i, e in enumerate(rollout.log) if e[1] == "generate" and e[2].startswith("eval4."))
+    assert not [e for e in rollout.log[first_eval:] if e[1] == "generate" and not e[2].startswith("eval")]
