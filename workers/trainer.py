@@ -119,19 +119,25 @@ def _flat_targets(samples: list[wire.TrainSample], index: list[int], adv: torch.
             torch.tensor(tok_adv, dtype=torch.float32, device=device))
 
 
+def _right_padded(rows: list[list[int]], pad_id: int, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) [len(rows), max(width, longest row)]: each row left-aligned, pad_id after."""
+    width = max(width, *map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[r, :len(row)] = 1
+    return ids, mask
+
+
 def build_micro_batch(samples: list[wire.TrainSample], index: list[int], adv: torch.Tensor,
                       pad_id: int, device: str) -> MicroBatch:
     """Right-padded tensors of samples[index]; adv [B] is per sequence of the whole batch."""
-    lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in index]
-    n, width = len(index), max(lengths)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, width), dtype=torch.long)
-    select = torch.zeros((n, width), dtype=torch.bool)
+    input_ids, attention_mask = _right_padded(
+        [samples[i].prompt_ids + samples[i].completion_ids for i in index], pad_id)
+    select = torch.zeros_like(input_ids, dtype=torch.bool)
     for row, i in enumerate(index):
-        s = samples[i]
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        input_ids[row, :p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
-        attention_mask[row, :p + c] = 1
+        p, c = len(samples[i].prompt_ids), len(samples[i].completion_ids)
         select[row, p - 1:p + c - 1] = True
     return MicroBatch(list(index), input_ids.to(device), attention_mask.to(device),
                       select.to(device), *_flat_targets(samples, index, adv, device))
@@ -143,24 +149,11 @@ def build_shared_micro_batch(samples: list[wire.TrainSample], groups: list[list[
     forward: prompts once, completions on their prompt's KV (see MicroBatch)."""
     prompts = [samples[g[0]].prompt_ids for g in groups]
     index = [i for g in groups for i in g]
-    width_p = max(map(len, prompts))
-    width_c = max(max(len(samples[i].completion_ids) for i in index), 1)
-    prompt_ids = torch.full((len(groups), width_p), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros((len(groups), width_p), dtype=torch.long)
-    for g, prompt in enumerate(prompts):
-        prompt_ids[g, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        prompt_mask[g, :len(prompt)] = 1
+    prompt_ids, prompt_mask = _right_padded(prompts, pad_id)
     row_group = torch.tensor([g for g, members in enumerate(groups) for _ in members], dtype=torch.long)
-    n = len(index)
-    input_ids = torch.full((n, width_c), pad_id, dtype=torch.long)
-    completion_mask = torch.zeros((n, width_c), dtype=torch.long)
-    position_ids = torch.zeros((n, width_c), dtype=torch.long)
-    for row, i in enumerate(index):
-        s = samples[i]
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        input_ids[row, :c] = torch.tensor(s.completion_ids, dtype=torch.long)
-        completion_mask[row, :c] = 1
-        position_ids[row] = torch.arange(p, p + width_c)
+    input_ids, completion_mask = _right_padded([samples[i].completion_ids for i in index], pad_id, width=1)
+    prompt_lengths = torch.tensor([len(samples[i].prompt_ids) for i in index])
+    position_ids = prompt_lengths[:, None] + torch.arange(input_ids.shape[1])  # [n, C]
     attention_mask = torch.cat([prompt_mask.index_select(0, row_group), completion_mask], dim=1)
     return MicroBatch(
         index, input_ids.to(device), attention_mask.to(device),
