@@ -109,6 +109,15 @@ class PipeWorker:
         except (BrokenPipeError, ConnectionResetError):
             raise WorkerFailed(self.role, "pipe closed while sending", self.log_tail()) from None
 
+    async def send_many(self, msgs: list[Any]) -> None:
+        """Write several frames, then wait for the pipe once."""
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(b"".join([wire.encode(msg) for msg in msgs]))
+            await self.proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            raise WorkerFailed(self.role, "pipe closed while sending", self.log_tail()) from None
+
     async def recv(self) -> Any | None:
         assert self.proc is not None and self.proc.stdout is not None
         return await wire.read_message_async(self.proc.stdout)

@@ -294,16 +294,24 @@ class Orchestrator:
             self._groups[gid] = PendingGroup(task, samples)
             self.live += self.G
             self.counts.admitted += self.G
-            for sample in samples:
-                await self._generate(sample)
+            await self._generate(*samples)
             await asyncio.sleep(0)  # a pipe with room never blocks: let readers in between groups
 
-    async def _generate(self, sample: Sample) -> None:
-        self._requests[sample.request_id] = sample
-        self._rollout_busy.up()
+    async def _generate(self, *samples: Sample) -> None:
+        """One Generate per sample, written together (one pipe drain for a whole group)."""
         r = self.settings.rollout
-        await self.rollout.send(wire.Generate(sample.request_id, sample.task.prompt, r.max_new_tokens,
-                                              r.temperature, r.top_p))
+        msgs = []
+        for sample in samples:
+            self._requests[sample.request_id] = sample
+            self._rollout_busy.up()
+            msgs.append(wire.Generate(sample.request_id, sample.task.prompt, r.max_new_tokens,
+                                      r.temperature, r.top_p))
+        send_many = getattr(self.rollout, "send_many", None)  # optional on a WorkerClient
+        if send_many is not None:
+            await send_many(msgs)
+        else:
+            for msg in msgs:
+                await self.rollout.send(msg)
 
     # ------------------------------------------------------------------ rollout side
 

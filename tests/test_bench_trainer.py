@@ -42,3 +42,15 @@ def test_weight_sync_quick(tmp_path, capsys, keep_threads) -> None:
     for case in res["cases"]:
         assert case["bytes"] > 0 and case["ratio"] > 0 and case["store_s"] > 0
     assert (tmp_path / "weight_sync.png").stat().st_size > 1000
+
+
+def test_overlap_quick(tmp_path, capsys, keep_threads) -> None:
+    from bench import overlap
+
+    assert overlap.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert "slowdown" in capsys.readouterr().out
+    res = json.loads((tmp_path / "results.json").read_text())
+    trainer, rollout = res["rows"]
+    assert trainer["alone_s"] > 0 and trainer["both_s"] > 0 and rollout["alone_s"] > 0
+    assert res["gen_both"]["batches"] >= 0 and res["ideal_ratio"] >= 1.0
+    assert (tmp_path / "overlap.png").stat().st_size > 1000

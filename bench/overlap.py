@@ -1,0 +1,212 @@
+"""Overlap: how much the two workers slow each other down when they run at the same time.
+
+    python bench/overlap.py [--model SPEC] [--device cpu|cuda] [--updates 3] [--out DIR] [--quick]
+
+`areal` mode wins by running generation and training at once, `sync` by giving each the
+machine in turn. What overlap buys therefore depends on the hardware: two cores that share
+memory bandwidth, or two workers on one GPU, may each run slower beside the other. This
+measures it directly, with the real engine and trainer (one thread each, as in a run):
+
+    trainer alone     seconds per update (bench/train_step.py's batch: 32 samples in groups
+                      of 8, ~50-token prompts, --completion-tokens replies, bf16)
+    rollout alone     seconds per batch of 32 sequences (4 prompts x 8, up to --completion-tokens
+                      new tokens each, the same prompts every batch)
+    both at once      the rollout generates batches back to back in a child process while the
+                      parent times the same trainer updates; the child reports its own rate
+
+and from them the best step-time ratio a perfectly overlapped run could reach over one that
+takes turns, with and without the slowdown:
+
+    ideal     = (train_alone + gen_alone) / max(train_alone, gen_alone)
+    achievable = (train_alone + gen_alone) / max(train_both, gen_both)
+
+(evals and weight hand-offs left out: they favour overlap further, since `sync` waits for
+both). --quick: tiny-random, 1 update, a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+
+from bench.common import print_table, pyplot, write_json  # noqa: E402
+
+SEQS, GROUP = 32, 8
+COMPLETION_TOKENS = 16
+"""Replies of a run that has learned the default task are ~9-20 tokens."""
+
+
+def _gen_batch(engine: Any, ids: list[list[int]], tokens: int, tag: str) -> int:
+    from workers.engine import Request
+
+    for i, prompt in enumerate(ids):
+        engine.add(Request(f"{tag}.{i}", prompt, tokens, 0.7, 1.0))
+    done = 0
+    while engine.busy:
+        done += sum(len(c.completion_ids) for c in engine.step())
+    return done
+
+
+def rollout_child(spec: str, device: str, dtype: str, tokens: int, ready: Any, stop: Any, out: Any) -> None:
+    """Generate batches back to back until `stop`; report (batches, tokens, seconds)."""
+    sys.path.insert(0, str(REPO))
+    from bench.rollout_throughput import prompts
+    from workers.common import configure_torch
+    from workers.engine import Engine
+    from workers.models import load_model
+
+    configure_torch(device, 1)
+    model, tok = load_model(spec, seed=0, dtype=dtype, device=device)
+    engine = Engine(model, tok, max_batch=SEQS, seed=0)
+    ids = prompts(tok, SEQS, GROUP)
+    _gen_batch(engine, ids, 4, "warm")
+    ready.set()
+    batches = gen_tokens = 0
+    t0 = time.perf_counter()
+    while not stop.is_set():
+        gen_tokens += _gen_batch(engine, ids, tokens, f"b{batches}")
+        batches += 1
+    out.put((batches, gen_tokens, time.perf_counter() - t0))
+
+
+def time_updates(trainer: Any, batch: list, n: int, device: str) -> list[float]:
+    import torch
+
+    from areal_aio import wire
+
+    times = []
+    for _ in range(n):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        trainer.train(wire.Train(step=trainer.version, version=trainer.version, samples=batch))
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_rollout(spec: str, device: str, dtype: str, tokens: int) -> tuple[Any, Any, Any, Any]:
+    """Start the generating child; (process, ready, stop, out)."""
+    ctx = multiprocessing.get_context("spawn")
+    ready, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=rollout_child, args=(spec, device, dtype, tokens, ready, stop, out), daemon=True)
+    proc.start()
+    return proc, ready, stop, out
+
+
+def finish(proc: Any, stop: Any, out: Any) -> tuple[int, int, float]:
+    """Stop the child after its current batch; its (batches, tokens, seconds)."""
+    stop.set()
+    result = out.get(timeout=600)
+    proc.join(timeout=60)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model spec (default SmolLM2-135M; tiny-random with --quick)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (both workers on it)")
+    ap.add_argument("--updates", type=int, default=None, help="timed trainer updates per phase (default 3)")
+    ap.add_argument("--completion-tokens", type=int, default=COMPLETION_TOKENS)
+    ap.add_argument("--rollout-dtype", default="float32", help="rollout.dtype: float32 | bfloat16")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "overlap")
+    ap.add_argument("--quick", action="store_true", help="tiny-random, 1 update per phase")
+    args = ap.parse_args(argv)
+
+
+    from areal_aio.settings import build_settings
+    from areal_aio.weight_store import SHM_BASE, WeightStore
+    from bench.train_step import make_batch
+    from workers.common import configure_torch
+    from workers.models import SMOLLM2, TINY, load_model
+    from workers.trainer import Trainer
+
+    spec = args.model or (TINY if args.quick else SMOLLM2)
+    n = args.updates or (1 if args.quick else 3)
+    tokens = args.completion_tokens
+    configure_torch(args.device, 1)
+    model, tok = load_model(spec, seed=0, device=args.device)
+    batch = make_batch(len(tok), SEQS, completion_tokens=tokens)
+    s = build_settings({}, (f"model.path={spec}", f"trainer.batch_size={SEQS}", f"rollout.group_size={GROUP}",
+                            f"trainer.device={args.device}", f"rollout.device={args.device}"))
+    store = WeightStore.create("bench-overlap", base=SHM_BASE)
+    try:
+        trainer = Trainer(s.to_dict(), store.root, model=model, tokenizer=tok)
+        time_updates(trainer, batch, 1, args.device)  # warm-up
+        train_alone = time_updates(trainer, batch, n, args.device)
+        print(f"  trainer alone: {statistics.median(train_alone):.2f} s/update", file=sys.stderr, flush=True)
+
+        # rollout alone: the child runs for about as long as the trainer's timed phase
+        proc, ready, stop, out = run_rollout(spec, args.device, args.rollout_dtype, tokens)
+        ready.wait(timeout=600)
+        time.sleep(max(sum(train_alone), 2.0))
+        gen_alone = finish(proc, stop, out)
+        print(f"  rollout alone: {gen_alone[2] / max(gen_alone[0], 1):.2f} s/batch", file=sys.stderr, flush=True)
+
+        # both at once
+        proc, ready, stop, out = run_rollout(spec, args.device, args.rollout_dtype, tokens)
+        ready.wait(timeout=600)
+        train_both = time_updates(trainer, batch, n, args.device)
+        gen_both = finish(proc, stop, out)
+    finally:
+        store.close()
+
+    def per_batch(r: tuple[int, int, float]) -> float | None:
+        return r[2] / r[0] if r[0] else None
+
+    t_alone, t_both = statistics.median(train_alone), statistics.median(train_both)
+    g_alone, g_both = per_batch(gen_alone), per_batch(gen_both)
+    ideal = (t_alone + g_alone) / max(t_alone, g_alone) if g_alone else None
+    achievable = (t_alone + g_alone) / max(t_both, g_both) if g_alone and g_both else None
+    rows = [{"worker": "trainer", "alone_s": t_alone, "both_s": t_both, "slowdown": t_both / t_alone,
+             "unit": "s/update"},
+            {"worker": "rollout", "alone_s": g_alone, "both_s": g_both,
+             "slowdown": g_both / g_alone if g_alone and g_both else None, "unit": "s/batch",
+             "tok_s_alone": gen_alone[1] / gen_alone[2], "tok_s_both": gen_both[1] / gen_both[2]}]
+    print_table(["worker", "alone", "both at once", "slowdown"],
+                [[r["worker"], f"{r['alone_s']:.2f} {r['unit']}" if r["alone_s"] else "-",
+                  f"{r['both_s']:.2f} {r['unit']}" if r["both_s"] else "-",
+                  f"{r['slowdown']:.2f}x" if r["slowdown"] else "-"] for r in rows],
+                title=f"\noverlap on {args.device}, {spec} (rollout {args.rollout_dtype}): {SEQS} samples in groups of {GROUP}, "
+                      f"{tokens}-token replies, one thread per worker")
+    print(f"overlapped step vs taking turns: ideal {ideal:.2f}x, with the slowdown {achievable:.2f}x"
+          if ideal and achievable else "overlapped step vs taking turns: not measured (no batch finished)")
+    results = {"model": spec, "device": args.device, "rollout_dtype": args.rollout_dtype, "seqs": SEQS, "group": GROUP, "completion_tokens": tokens,
+               "updates": n, "rows": rows, "ideal_ratio": ideal, "achievable_ratio": achievable,
+               "train_alone_s": train_alone, "train_both_s": train_both,
+               "gen_alone": dict(zip(("batches", "tokens", "seconds"), gen_alone, strict=True)),
+               "gen_both": dict(zip(("batches", "tokens", "seconds"), gen_both, strict=True))}
+    write_json(args.out / "results.json", results)
+    plot(rows, ideal, achievable, args.out / "overlap.png", f"overlap on {args.device} ({spec})")
+    print(f"wrote {args.out / 'results.json'} and {args.out / 'overlap.png'}", file=sys.stderr)
+    return 0
+
+
+def plot(rows: list[dict], ideal: float | None, achievable: float | None, path: Path, title: str) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k, (key, label) in enumerate((("alone_s", "alone"), ("both_s", "both at once"))):
+        xs = [i + (k - 0.5) * 0.38 for i in range(len(rows))]
+        ax.bar(xs, [r[key] or 0.0 for r in rows], 0.38, label=label)
+    ax.set_xticks(range(len(rows)), [f"{r['worker']} ({r['unit']})" for r in rows])
+    ax.set_ylabel("seconds (median)")
+    if ideal and achievable:
+        title += f"\noverlap vs turns: ideal {ideal:.2f}x, with the slowdown {achievable:.2f}x"
+    ax.set_title(title, fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
