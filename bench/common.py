@@ -202,6 +202,14 @@ def write_json(path: Path, data: Any) -> None:
     path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
 
 
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
+    """Lay out, write and close a matplotlib figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    fig.clf()
+    pyplot().close(fig)
+
+
 def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib

@@ -43,7 +43,7 @@ from areal_aio.controller import Orchestrator  # noqa: E402
 from areal_aio.fakes import FakeRollout, FakeTrainer  # noqa: E402
 from areal_aio.settings import MODES, Settings, build_settings  # noqa: E402
 from areal_aio.tasks import Task, arithmetic_prompt  # noqa: E402
-from bench.common import print_table, pyplot, run_loop, write_json  # noqa: E402
+from bench.common import print_table, pyplot, run_loop, save_figure, write_json  # noqa: E402
 
 TARGET = 50_000
 """Trajectories/s the controller must sustain so that it is never what a GPU rollout waits on."""
@@ -127,9 +127,7 @@ def plot(runs: list[dict], median: float, path: Path) -> None:
         ax.set_xlabel("timed run")
         ax.set_xticks(list(xs))
     fig.suptitle("controller alone, instant fake workers")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from bench.common import print_table, pyplot, write_json  # noqa: E402
+from bench.common import print_table, pyplot, save_figure, write_json  # noqa: E402
 
 SEQS, GROUP = 32, 8
 COMPLETION_TOKENS = 16
@@ -78,18 +78,15 @@ def rollout_child(spec: str, device: str, dtype: str, tokens: int, ready: Any, s
 
 
 def time_updates(trainer: Any, batch: list, n: int, device: str) -> list[float]:
-    import torch
-
     from areal_aio import wire
+    from bench.train_step import sync_device
 
     times = []
     for _ in range(n):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        sync_device(device)
         t0 = time.perf_counter()
         trainer.train(wire.Train(step=trainer.version, version=trainer.version, samples=batch))
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
+        sync_device(device)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -203,9 +200,7 @@ def plot(rows: list[dict], ideal: float | None, achievable: float | None, path: 
         title += f"\noverlap vs turns: ideal {ideal:.2f}x, with the slowdown {achievable:.2f}x"
     ax.set_title(title, fontsize=10)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from areal_aio.weight_store import SHM_BASE, WeightStore, load_weights  # noqa: E402
+from bench.common import save_figure  # noqa: E402
 from workers.common import configure_torch  # noqa: E402
 from workers.engine import Engine, Request  # noqa: E402
 from workers.models import SMOLLM2, TINY, encode_prompt, load_model  # noqa: E402
@@ -270,9 +271,7 @@ def _plot(results: dict, path: Path) -> None:
     ax.set_title(f"rollout throughput, {results['model']}, {results['sequences']} seqs, "
                  f"max_new_tokens={results['max_new_tokens']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from bench.common import (  # noqa: E402
     pyplot,
     run_grid,
     run_loop,
+    save_figure,
     shown_path,
     stats,
     write_json,
@@ -149,9 +150,7 @@ def plot(agg: dict, path: Path) -> None:
     axes[0].set_ylim(-0.02, 1.02)
     axes[1].set_ylim(bottom=0)
     fig.suptitle("staleness ablation (areal mode, interruptible generation)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,6 +57,7 @@ from bench.common import (  # noqa: E402
     pyplot,
     run_grid,
     run_loop,
+    save_figure,
     shown_path,
     stats,
     write_json,
@@ -215,9 +216,7 @@ def plot(records: list[dict], agg: dict, threshold: float, path: Path) -> None:
     axes[0].set_ylabel("eval pass rate (greedy, held out)")
     axes[0].legend()
     fig.suptitle(f"eval pass rate; threshold {threshold} dashed; band = seeds' min-max, thin = one seed")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

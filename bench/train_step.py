@@ -69,7 +69,8 @@ def make_batch(vocab: int, seqs: int = SEQS, seed: int = 0,
     return out
 
 
-def _sync(device: str) -> None:
+def sync_device(device: str) -> None:
+    """Wait for queued GPU work, so a wall-clock time covers it (no-op on CPU)."""
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -138,10 +139,10 @@ def main(argv: list[str] | None = None) -> int:
                 tr.train(wire.Train(step=tr.version, version=tr.version, samples=batch))
             for _ in range(repeats):
                 for variant, tr in trainers.items():
-                    _sync(args.device)
+                    sync_device(args.device)
                     t0 = time.perf_counter()
                     reply = tr.train(wire.Train(step=tr.version, version=tr.version, samples=batch))
-                    _sync(args.device)
+                    sync_device(args.device)
                     st = dict(reply.stats, wall_s=time.perf_counter() - t0)
                     samples.setdefault((threads, variant), []).append(st)
                     print(f"  threads={threads} {variant}: {st['wall_s']:.2f}s", file=sys.stderr, flush=True)
