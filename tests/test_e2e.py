@@ -168,15 +168,23 @@ async def test_learning_raises_held_out_reward(tmp_path):
 
     The signal is synthetic (arithmetic is beyond a random model), but everything
     else is the product: rollouts, rewards, staleness, decoupled PPO, weight sync.
+    Its replies start as uniform draws over 49k tokens with random embeddings, so
+    the policy must raise good tokens one by one: hence the high learning rate.
+    Both the sampled training reward (what the objective maximises) and the
+    greedy held-out reward must rise; over seeds 0-5 the last five steps beat
+    the first five by 0.12-0.62 and the final eval reached 0.62-1.0 from 0.
     """
     prompts = [f"Write something about topic number {i}." for i in range(400)]
     train = [Task(f"t{i}", p, "") for i, p in enumerate(prompts[:300])]
     held_out = [Task(f"e{i}", p, "") for i, p in enumerate(prompts[300:332])]
     settings = build_settings({}, TINY + [
-        "run.max_steps=30", "rollout.temperature=1.0", "rollout.max_new_tokens=16", "rollout.group_size=8",
-        "trainer.batch_size=32", "trainer.lr=3e-3", "task.eval_every=10", "trainer.minibatches=2"])
+        "run.max_steps=40", "rollout.temperature=1.0", "rollout.max_new_tokens=16", "rollout.group_size=8",
+        "trainer.batch_size=32", "trainer.lr=3e-2", "task.eval_every=20", "trainer.minibatches=2"])
+    out = tmp_path / "learn"
     summary = await Orchestrator(settings, tasks=itertools.cycle(train), eval_set=held_out, reward=vowel_share,
-                                 out_dir=tmp_path / "learn").run()
+                                 out_dir=out).run()
     curve = [r["reward_mean"] for r in summary["eval_curve"]]
-    assert summary["steps"] == 30 and summary["eval_curve"][0]["versions"] == [0, 0]
-    assert min(curve[1:]) > curve[0] + 0.1, curve
+    assert summary["steps"] == 40 and summary["eval_curve"][0]["versions"] == [0, 0]
+    trained = [orjson.loads(x)["reward_mean"] for x in (out / "steps.jsonl").read_bytes().splitlines()]
+    assert sum(trained[-5:]) / 5 > sum(trained[:5]) / 5 + 0.05, trained
+    assert curve[-1] > curve[0] + 0.3, curve
