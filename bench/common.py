@@ -14,6 +14,7 @@ Ctrl-C stops the grid (the interrupted cell reruns next time).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import shutil
 import sys
@@ -112,6 +113,21 @@ async def run_grid(cells: Sequence[Cell], out_dir: Path, *, settings_path: str |
         records.append({**cell.labels, "cell": cell.name, "folder": f"runs/{cell.name}", "status": status,
                         "summary": summary})
     return records
+
+
+def grid_parser(doc: str | None, out_name: str) -> argparse.ArgumentParser:
+    """The options every grid bench shares: the settings of every run, --out (default
+    bench/out/<out_name>), --max-wall-s, --quick and --report-only."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--settings", type=Path, default=DEFAULT_SETTINGS, help="settings file of every run")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
+                    help="settings override applied to every run (repeatable)")
+    ap.add_argument("--max-wall-s", type=float, default=None, help="wall limit of one run (default: the file's)")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / out_name)
+    ap.add_argument("--quick", action="store_true", help="tiny-random smoke preset (about a minute)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="table and plot of the finished cells in --out; run nothing")
+    return ap
 
 
 def _read_summary(folder: Path) -> dict | None:

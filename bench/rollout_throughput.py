@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import signal
 import statistics
 import sys
@@ -38,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from areal_aio.weight_store import SHM_BASE, WeightStore, load_weights  # noqa: E402
-from bench.common import save_figure  # noqa: E402
+from bench.common import save_figure, write_json  # noqa: E402
 from workers.common import configure_torch  # noqa: E402
 from workers.engine import Engine, Request  # noqa: E402
 from workers.models import SMOLLM2, TINY, encode_prompt, load_model  # noqa: E402
@@ -212,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                "max_batch": args.max_batch, "temperature": TEMPERATURE, "top_p": TOP_P,
                "update_every": update_every, "rows": rows, "weight_load_s": load_times,
                "weight_load_median_s": statistics.median(load_times), **summary}
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    write_json(out_dir / "results.json", results)
     _print_table(results)
     _plot(results, out_dir / "rollout_throughput.png")
     print(f"wrote {out_dir / 'results.json'} and {out_dir / 'rollout_throughput.png'}")

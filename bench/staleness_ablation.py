@@ -24,7 +24,6 @@ The grid resumes like bench/time_to_threshold.py (DIR/runs/eta<eta>-<objective>-
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,11 +33,11 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from areal_aio.settings import UNBOUNDED, load_settings  # noqa: E402
 from bench.common import (  # noqa: E402
-    DEFAULT_SETTINGS,
     TINY_BATCH,
     Cell,
     final_pass_rate,
     fmt,
+    grid_parser,
     mean,
     parse_list,
     print_table,
@@ -154,21 +153,13 @@ def plot(agg: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--settings", type=Path, default=DEFAULT_SETTINGS, help="settings file of every run")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
-                    help="settings override applied to every run (repeatable)")
+    ap = grid_parser(__doc__, "staleness_ablation")
     ap.add_argument("--etas", default=None, help="comma-separated; -1 = unbounded (default 0,1,2,4,8,16,-1)")
     ap.add_argument("--objectives", default=",".join(OBJECTIVES))
     ap.add_argument("--seeds", default="0", help="comma-separated run seeds")
     ap.add_argument("--steps", type=int, default=None, help=f"run.max_steps of every cell (default {DEFAULT_STEPS})")
-    ap.add_argument("--max-wall-s", type=float, default=None, help="wall limit of one run (default: the file's)")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "staleness_ablation")
     ap.add_argument("--literal-unbounded", action="store_true",
                     help="run eta -1 as max_staleness = -1 (admission bounded by controller.max_in_flight alone)")
-    ap.add_argument("--quick", action="store_true", help="tiny-random smoke preset (about a minute)")
-    ap.add_argument("--report-only", action="store_true",
-                    help="table and plot of the finished cells in --out; run nothing")
     args = ap.parse_args(argv)
     etas = parse_list(args.etas, parse_eta) if args.etas else list(QUICK_ETAS if args.quick else ETAS)
     objectives = parse_list(args.objectives)

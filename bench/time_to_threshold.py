@@ -35,7 +35,6 @@ tiny-random never reaches the threshold, so the null-time path runs end to end).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,11 +44,11 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from areal_aio.settings import MODES, OBJECTIVES, load_settings  # noqa: E402
 from bench.common import (  # noqa: E402
-    DEFAULT_SETTINGS,
     TINY_BATCH,
     Cell,
     final_pass_rate,
     fmt,
+    grid_parser,
     initial_pass_rate,
     mean,
     parse_list,
@@ -220,10 +219,7 @@ def plot(records: list[dict], agg: dict, threshold: float, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--settings", type=Path, default=DEFAULT_SETTINGS, help="settings file of every run")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
-                    help="settings override applied to every run (repeatable)")
+    ap = grid_parser(__doc__, "time_to_threshold")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
     ap.add_argument("--objectives", default="",
                     help=f"comma-separated, any of {','.join(OBJECTIVES)}; default: each mode's own")
@@ -232,11 +228,6 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"eval pass rate that stops a run (default {DEFAULT_THRESHOLD}; --quick {QUICK_THRESHOLD})")
     ap.add_argument("--report-at", default="",
                     help="comma-separated lower thresholds also reported, read off the same runs' eval curves")
-    ap.add_argument("--max-wall-s", type=float, default=None, help="wall limit of one run (default: the file's)")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "time_to_threshold")
-    ap.add_argument("--quick", action="store_true", help="tiny-random smoke preset (about a minute)")
-    ap.add_argument("--report-only", action="store_true",
-                    help="table and plot of the finished cells in --out; run nothing")
     args = ap.parse_args(argv)
     modes = parse_list(args.modes)
     objectives = parse_list(args.objectives) or [None]

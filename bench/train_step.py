@@ -20,7 +20,6 @@ trainer's share of a 2-core box (the rollout worker has the other core).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import resource
 import statistics
@@ -31,11 +30,15 @@ from typing import Any
 
 import torch
 
-from areal_aio import wire
-from areal_aio.settings import build_settings
-from areal_aio.weight_store import SHM_BASE, WeightStore
-from workers.models import SMOLLM2, TINY, load_model
-from workers.trainer import Trainer
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+
+from areal_aio import wire  # noqa: E402
+from areal_aio.settings import build_settings  # noqa: E402
+from areal_aio.weight_store import SHM_BASE, WeightStore  # noqa: E402
+from bench.common import pyplot, save_figure, write_json  # noqa: E402
+from workers.models import SMOLLM2, TINY, load_model  # noqa: E402
+from workers.trainer import Trainer  # noqa: E402
 
 SEQS = 32
 QUICK_SEQS = 8
@@ -76,11 +79,7 @@ def sync_device(device: str) -> None:
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     threads = sorted({r["threads"] for r in rows})
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(VARIANTS)
@@ -94,9 +93,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.set_ylabel("seconds per update (median)")
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,12 +174,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['speedup_vs_fp32']:>8.2f}x{r['speedup_vs_bf16']:>8.2f}x")
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"peak RSS {peak_gib:.1f} GiB (all trainers)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(
+    write_json(args.out / "results.json",
         {"model": spec, "seqs": seqs, "completion_tokens": completion, "all_tokens": all_tokens,
          "repeats": repeats, "micro_tokens": trainers["fp32"].cfg["micro_tokens"],
          "device": args.device, "completion_tokens_each": args.completion_tokens,
-         "peak_rss_gib": peak_gib, "rows": rows}, indent=2))
+         "peak_rss_gib": peak_gib, "rows": rows})
     plot(rows, args.out / "train_step.png", f"one trainer update on {args.device} ({spec})")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'train_step.png'}", file=sys.stderr)
     return 0

@@ -15,7 +15,6 @@ trainer casts while publishing, the rollout model is bf16).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,8 +24,12 @@ from typing import Any
 
 import torch
 
-from areal_aio.weight_store import SHM_BASE, WeightStore, load_weights
-from workers.models import SMOLLM2, TINY, load_model
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+
+from areal_aio.weight_store import SHM_BASE, WeightStore, load_weights  # noqa: E402
+from bench.common import pyplot, save_figure, write_json  # noqa: E402
+from workers.models import SMOLLM2, TINY, load_model  # noqa: E402
 
 TARGET_RATIO = 1.5
 """(publish + load) / (raw write + raw read): above this the store adds copies it should not."""
@@ -90,11 +93,7 @@ def run_case(store: WeightStore, src: Any, dst: Any, dtype: torch.dtype, repeats
 
 
 def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [r["dtype"] for r in results]
     x = range(len(results))
@@ -110,9 +109,7 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.set_ylabel("seconds (median)")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,10 +145,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['raw_gb_s']:>10.2f}{r['ratio']:>7.2f}x")
     ok = all(r["ratio"] <= TARGET_RATIO for r in results)
     print(f"target: ratio <= {TARGET_RATIO}: {'met' if ok else 'MISSED'}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(
+    write_json(args.out / "results.json",
         {"model": spec, "device": args.device, "repeats": repeats, "threads": args.threads, "target_ratio": TARGET_RATIO,
-         "met": ok, "cases": results}, indent=2))
+         "met": ok, "cases": results})
     plot(results, args.out / "weight_sync.png", f"weight sync through /dev/shm ({spec})")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'weight_sync.png'}", file=sys.stderr)
     return 0
