@@ -213,6 +213,32 @@ def test_shared_and_unshared_updates_agree(tmp_path, batch) -> None:
         assert torch.allclose(x, y, atol=1e-6)
 
 
+def test_prox_is_the_policy_before_the_update_in_every_mini_batch(tmp_path, batch, monkeypatch) -> None:
+    """The first mini-batch reads pi_prox off its own forward, the second takes it from a
+    pass before any step: both must equal a no-grad pass on the pre-update weights."""
+    import workers.trainer as trainer_module
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (behav, prox) per micro-batch
+    real = trainer_module.losses.token_loss
+
+    def spy(logp, behav, prox, *args, **kwargs):
+        seen.append((behav.clone(), prox.clone()))
+        return real(logp, behav, prox, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module.losses, "token_loss", spy)
+    trainer = make_trainer(tmp_path / "a", "trainer.minibatches=2", "trainer.lr=1e-3")
+    before = make_trainer(tmp_path / "b")  # same seed: the same pre-update weights
+    stats = trainer.train(wire.Train(step=0, version=0, samples=batch)).stats
+    adv = torch.zeros(len(batch))
+    refs = [(mb.behav, before.logprobs(mb)) for half in ((0, len(batch) // 2), (len(batch) // 2, len(batch)))
+            for mb in before._micro_batches(batch, *half, adv)]
+    assert len(seen) == len(refs) == 2
+    for behav, prox in seen:
+        ref = next(logp for b, logp in refs if torch.equal(b, behav))
+        torch.testing.assert_close(prox, ref, atol=1e-6, rtol=0)
+    assert stats["ratio_max"] > stats["ratio_min"]  # the second mini-batch ran on moved weights
+
+
 @pytest.mark.parametrize("objective", ["pg", "ppo", "decoupled_ppo"])
 def test_repeated_updates_raise_the_reward_weighted_logprob(tmp_path, batch, objective) -> None:
     trainer = make_trainer(tmp_path, f"trainer.objective={objective}", "trainer.lr=3e-3",
