@@ -32,7 +32,7 @@ back through the repeated KV into the one prompt pass. The result equals the
 unshared forward (a test checks log-probs and gradients); the trainer does
 about (P + G*C) / (G*(P + C)) of the token work, ~1/3 for 50-token prompts,
 groups of 8 and 15-token replies. Measured (bench/train_step.py, SmolLM2-135M, 32
-samples in groups of 8, bf16): 2.25x faster on one CPU core; 1.35x slower on an
+samples in groups of 8, bf16): 2.75x faster on one CPU core; 1.35x slower on an
 H100, where a 135M model is kernel-launch-bound and the second pass adds launches.
 
 Stats (all plain floats/ints, token means unless named otherwise): loss,
