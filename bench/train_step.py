@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--completion-tokens", type=int, default=COMPLETION_TOKENS,
                     help="tokens per completion (prompts are ~50)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda")
-    ap.add_argument("--out", type=Path, default=Path("bench/out/train_step"))
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "train_step")
     args = ap.parse_args(argv)
     spec = args.model or (TINY if args.quick else SMOLLM2)
     repeats = args.repeats or (1 if args.quick else 2)

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a worker's share)")
     ap.add_argument("--device", default="cpu",
                     help="where both models live: cpu | cuda (then publish and load include the copies off and onto the GPU)")
-    ap.add_argument("--out", type=Path, default=Path("bench/out/weight_sync"))
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "weight_sync")
     args = ap.parse_args(argv)
     spec = args.model or (TINY if args.quick else SMOLLM2)
     repeats = args.repeats or (3 if args.quick else 7)
