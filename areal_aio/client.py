@@ -1,7 +1,7 @@
 """Worker clients: the controller's handle on one worker, over a pipe or in-process.
 
-The controller sees only `WorkerClient`: start (Init -> Ready), send, recv
-(None at end of stream), stop. `PipeWorker` runs the real subprocess;
+The controller sees only `WorkerClient`: start (Init -> Ready), send, send_many
+(several frames, one wait on the pipe), recv (None at end of stream), stop. `PipeWorker` runs the real subprocess;
 `areal_aio.fakes` has in-process fakes with the same surface, the seam the
 controller tests and the overhead benchmark use.
 
@@ -44,6 +44,8 @@ class WorkerClient(Protocol):
     async def start(self, init: wire.Init) -> wire.Ready: ...
 
     async def send(self, msg: Any) -> None: ...
+
+    async def send_many(self, msgs: list[Any]) -> None: ...
 
     async def recv(self) -> Any | None: ...
 
@@ -102,12 +104,7 @@ class PipeWorker:
         return data.decode(errors="replace")
 
     async def send(self, msg: Any) -> None:
-        assert self.proc is not None and self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(wire.encode(msg))
-            await self.proc.stdin.drain()
-        except (BrokenPipeError, ConnectionResetError):
-            raise WorkerFailed(self.role, "pipe closed while sending", self.log_tail()) from None
+        await self.send_many([msg])
 
     async def send_many(self, msgs: list[Any]) -> None:
         """Write several frames, then wait for the pipe once."""

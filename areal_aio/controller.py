@@ -306,12 +306,7 @@ class Orchestrator:
             self._rollout_busy.up()
             msgs.append(wire.Generate(sample.request_id, sample.task.prompt, r.max_new_tokens,
                                       r.temperature, r.top_p))
-        send_many = getattr(self.rollout, "send_many", None)  # optional on a WorkerClient
-        if send_many is not None:
-            await send_many(msgs)
-        else:
-            for msg in msgs:
-                await self.rollout.send(msg)
+        await self.rollout.send_many(msgs)
 
     # ------------------------------------------------------------------ rollout side
 

@@ -32,7 +32,17 @@ def solving_policy(prompt: str, version: int) -> str:
     return f"<answer>{answer}</answer>" if version >= 4 else f"It is {answer}."
 
 
-class FakeRollout:
+class _FakeWorker:
+    async def send(self, msg: Any) -> None:
+        raise NotImplementedError
+
+    async def send_many(self, msgs: list[Any]) -> None:
+        """One `send` each, in order (a subclass that watches `send` sees every message)."""
+        for msg in msgs:
+            await self.send(msg)
+
+
+class FakeRollout(_FakeWorker):
     role = "rollout"
 
     def __init__(self, *, tokens: int = 4, token_delay_s: float = 0.0, interrupt: bool = True,
@@ -146,7 +156,7 @@ class FakeRollout:
         self._running.clear()
 
 
-class FakeTrainer:
+class FakeTrainer(_FakeWorker):
     role = "trainer"
 
     def __init__(self, *, step_delay_s: float = 0.0, fail_at_step: int | None = None) -> None:

@@ -56,7 +56,8 @@ def _gen_batch(engine: Any, ids: list[list[int]], tokens: int, tag: str) -> int:
 
 
 def rollout_child(spec: str, device: str, dtype: str, tokens: int, ready: Any, stop: Any, out: Any) -> None:
-    """Generate batches back to back until `stop`; report (batches, tokens, seconds)."""
+    """Generate batches back to back until `stop`, at least one (a phase shorter than a batch
+    still measures one); report (batches, tokens, seconds)."""
     sys.path.insert(0, str(REPO))
     from bench.rollout_throughput import prompts
     from workers.common import configure_torch
@@ -71,7 +72,7 @@ def rollout_child(spec: str, device: str, dtype: str, tokens: int, ready: Any, s
     ready.set()
     batches = gen_tokens = 0
     t0 = time.perf_counter()
-    while not stop.is_set():
+    while not batches or not stop.is_set():
         gen_tokens += _gen_batch(engine, ids, tokens, f"b{batches}")
         batches += 1
     out.put((batches, gen_tokens, time.perf_counter() - t0))
@@ -118,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "overlap")
     ap.add_argument("--quick", action="store_true", help="tiny-random, 1 update per phase")
     args = ap.parse_args(argv)
-
 
     from areal_aio.settings import build_settings
     from areal_aio.weight_store import SHM_BASE, WeightStore

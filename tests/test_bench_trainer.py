@@ -53,5 +53,6 @@ def test_overlap_quick(tmp_path, capsys, keep_threads) -> None:
     trainer, rollout = res["rows"]
     assert trainer["alone_s"] > 0 and trainer["both_s"] > 0 and rollout["alone_s"] > 0
     assert res["gen_both"]["batches"] >= 0 and res["ideal_ratio"] >= 1.0
+    assert res["gen_both"]["batches"] >= 1 and rollout["both_s"] > 0 and res["achievable_ratio"] > 0
     assert res["gen_alone"]["batches"] >= 1 and res["gen_alone"]["tokens"] > 0
     assert (tmp_path / "overlap.png").stat().st_size > 1000

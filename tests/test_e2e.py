@@ -171,8 +171,10 @@ async def test_learning_raises_held_out_reward(tmp_path):
     Its replies start as uniform draws over 49k tokens with random embeddings, so
     the policy must raise good tokens one by one: hence the high learning rate.
     Both the sampled training reward (what the objective maximises) and the
-    greedy held-out reward must rise; over seeds 0-5 the last five steps beat
-    the first five by 0.12-0.62 and the final eval reached 0.62-1.0 from 0.
+    greedy held-out reward must rise. The margins leave room: these settings
+    with run.seed 0-5 raised the last five steps' reward over the first five's
+    by 0.12-0.62 and the final eval from 0 to 0.62-1.0 (at lr 3e-3 the training
+    reward did not move, and the greedy eval's rises were noise).
     """
     prompts = [f"Write something about topic number {i}." for i in range(400)]
     train = [Task(f"t{i}", p, "") for i, p in enumerate(prompts[:300])]

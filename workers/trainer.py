@@ -38,7 +38,8 @@ H100, where a 135M model is kernel-launch-bound and the second pass adds launche
 Stats (all plain floats/ints, token means unless named otherwise): loss,
 entropy, clip_frac, ratio_min/mean/max, behav_w_min/mean/max (pi_prox /
 pi_behav), capped_frac, grad_norm (mean pre-clip norm over mini-batches), kl
-(k3, only when kl_coef > 0), tokens, seqs, seconds, prox_s, publish_s,
+(k3, only when kl_coef > 0), tokens, seqs, seconds, prox_s (the no-grad pi_prox
+pass of mini-batches after the first: 0 with one), publish_s,
 mismatch_kl (k3 KL(behav || prox) over tokens sampled by exactly this version;
 None when there are none), reward_mean, adv_abs_mean.
 """
@@ -373,15 +374,16 @@ class Trainer:
         t_prox = time.perf_counter()
         prox: dict[int, torch.Tensor] = {}  # id(micro-batch) -> [T]
         ref: dict[int, torch.Tensor] = {}
-        for k, mb in ((k, mb) for k, mini in enumerate(plan) for mb in mini):
-            if k > 0:
-                prox[id(mb)] = self.logprobs(mb)
-            if self.ref is not None:
-                ref[id(mb)] = self.logprobs(mb, self.ref)
+        for k, mini in enumerate(plan):
+            for mb in mini:
+                if k > 0:
+                    prox[id(mb)] = self.logprobs(mb)
+                if self.ref is not None:
+                    ref[id(mb)] = self.logprobs(mb, self.ref)
         prox_s = time.perf_counter() - t_prox
 
         stats = _Stats()
-        for mini in plan:
+        for k, mini in enumerate(plan):
             total = sum(mb.tokens for mb in mini)
             if total == 0:
                 continue
@@ -392,7 +394,7 @@ class Trainer:
                     continue
                 with self._autocast():
                     logp, entropy = self._forward(self.model, mb)  # [T], [T]
-                if id(mb) not in prox:  # the first mini-batch: no step taken yet
+                if k == 0:  # no step taken yet: this forward is pi_prox
                     prox[id(mb)] = logp.detach().float()
                 tok_loss, st = losses.token_loss(
                     logp, mb.behav, prox[id(mb)], mb.adv, objective=cfg["objective"],
