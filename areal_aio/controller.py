@@ -393,6 +393,8 @@ class Orchestrator:
             match msg:
                 case wire.Trained() if self._trained is not None and not self._trained.done():
                     self._trained.set_result(msg)
+                case wire.Trained() if self._trained is not None and self._trained.cancelled():
+                    pass  # the run is stopping and its step was cancelled first: a late reply, not a fault
                 case _:
                     raise _failure(self.trainer, msg)
 

@@ -315,3 +315,30 @@ async def test_the_final_eval_runs_after_training_rollouts_end(tmp_path):
     assert rollout.seen and all(not running for running in rollout.seen)
     first_eval = next(i for i, e in enumerate(rollout.log) if e[1] == "generate" and e[2].startswith("eval4."))
     assert not [e for e in rollout.log[first_eval:] if e[1] == "generate" and not e[2].startswith("eval")]
+
+
+async def test_a_trained_reply_after_its_step_was_cancelled_is_not_a_fault(tmp_path):
+    """Cancelling a run cancels the step waiting for Trained before the trainer reader; a reply
+    arriving in between belongs to the stopping run, while a reply nobody asked for is a fault."""
+
+    class Replies(FakeTrainer):
+        def __init__(self, *msgs):
+            super().__init__()
+            for msg in msgs:
+                self._out.put_nowait(msg)
+
+    loop = asyncio.get_running_loop()
+    reply = wire.Trained(step=0, version=1, path="v1.safetensors", stats={})
+    orch = orchestrator(tmp_path, make_settings(), trainer=Replies(reply))
+    orch._trained = loop.create_future()
+    orch._trained.cancel()
+    reader = asyncio.create_task(orch._trainer_reader())
+    await asyncio.sleep(0.01)
+    assert not reader.done() and orch.trainer._out.empty()  # read, dropped, waiting for the next
+    reader.cancel()
+
+    orch = orchestrator(tmp_path, make_settings(), trainer=Replies(reply))
+    orch._trained = loop.create_future()
+    orch._trained.set_result(reply)  # that step already has its reply
+    with pytest.raises(WorkerFailed, match="unexpected Trained"):
+        await asyncio.wait_for(orch._trainer_reader(), 1)
