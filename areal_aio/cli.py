@@ -1,8 +1,22 @@
-"""Command line: `python -m areal_aio run|check SETTINGS [--set section.key=value ...] [--out DIR]`.
+"""Command line: `python -m areal_aio run|check|keys|report`.
+
+    run SETTINGS [--set ...] [--out DIR]     train (refuses a folder that holds a run)
+    run --resume RUN_DIR [--set ...]         continue a run from its newest checkpoint
+    eval MODEL [SETTINGS] [--set ...] [--out FILE]
+                                             score an HF folder, embedded spec or run folder
+                                             on the held-out set (the in-run protocol)
+    check SETTINGS [--set ...] | keys
+    report RUN_DIR [RUN_DIR ...] [--out DIR] plots and report.md of run folders, finished or not
 
 `run` owns the process, so it owns the loop (uvloop where available) and its
-signals: Ctrl-C or SIGTERM cancels the run, which shuts both workers down and
-removes the run's /dev/shm folder before exiting 130 / 143.
+signals: Ctrl-C or SIGTERM cancels the run, which writes model/ and a final
+checkpoint, shuts both workers down and removes the run's /dev/shm folder
+before exiting 130 / 143. A run folder or checkpoint that cannot be used is one
+line on stderr and exit 2.
+
+Exit codes: 0 done; 1 the run failed (one line on stderr naming the cause, the
+traceback in <run>/error.log); 2 an input error (settings, task file, run folder,
+checkpoint, model, device: one line, found by `check` too); 130 / 143 Ctrl-C / SIGTERM.
 """
 
 from __future__ import annotations
@@ -12,11 +26,17 @@ import asyncio
 import gc
 import signal
 import sys
+import traceback
+from pathlib import Path
 
 import orjson
 
+from areal_aio.checkpoint import CheckpointError
 from areal_aio.client import WorkerFailed
+from areal_aio.preflight import preflight
 from areal_aio.settings import SettingsError, describe, load_settings
+
+ERROR_LOG = "error.log"
 
 SUMMARY_KEYS = ("mode", "max_staleness", "steps", "final_version", "wall_s", "cold_start_s",
                 "time_to_threshold_s", "samples_generated", "samples_accepted",
@@ -27,14 +47,28 @@ SUMMARY_KEYS = ("mode", "max_staleness", "steps", "final_version", "wall_s", "co
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m areal_aio", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for name, text in (("run", "train with these settings"), ("check", "validate and print the resolved settings")):
+    for name, text in (("run", "train with these settings"), ("check", "validate and print the resolved settings"),
+                       ("eval", "score a model on the held-out set")):
         cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("settings", help="settings TOML file")
+        if name == "eval":
+            cmd.add_argument("model", help="HF folder, embedded:<name>, or a run folder (its model/)")
+        cmd.add_argument("settings", nargs="?" if name != "check" else None, default=None,
+                         help="settings TOML file" + (" (a run folder's own by default)" if name == "eval" else ""))
         cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                          help="override one key (repeatable); wins over the file and the mode presets")
         if name == "run":
             cmd.add_argument("--out", default=None, help="run folder (default: run.out_dir/<name>)")
+            cmd.add_argument("--resume", default=None, metavar="RUN_DIR",
+                             help="continue this run from its newest checkpoint (settings come from it; "
+                                  "--set may change only resumable keys)")
+        if name == "eval":
+            cmd.add_argument("--out", default=None,
+                             help="eval.json path (default: into the run folder, else ./eval.json)")
     sub.add_parser("keys", help="list every settings key with its default and meaning")
+    report = sub.add_parser("report", help="plots and a markdown summary of run folders (finished or not)")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders, overlaid in every plot")
+    report.add_argument("--out", default=None, help="report folder (default: RUN_DIR/report for one run, "
+                        "report-<time> beside the first run for several)")
     return p
 
 
@@ -43,10 +77,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keys":
         print(describe())
         return 0
+    if args.command == "report":
+        from areal_aio.report import main as report
+
+        return report(args.runs, args.out)
     try:
+        if args.command == "eval":
+            return _eval(args.model, args.settings, args.overrides, args.out)
+        if args.command == "run" and args.resume:
+            return _resume(args.resume, args.settings, args.overrides, args.out)
+        if args.settings is None:
+            raise SettingsError("a settings file is needed (or --resume RUN_DIR)")
         settings = load_settings(args.settings, args.overrides)
-    except SettingsError as exc:
+        preflight(settings, getattr(args, "out", None))
+    except SettingsError as exc:  # a bad key or value, or an input preflight rejects
         print(f"settings error: {exc}", file=sys.stderr)
+        return 2
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.command == "check":
         print(settings.to_toml(), end="")
@@ -54,20 +102,51 @@ def main(argv: list[str] | None = None) -> int:
     return _run(settings, args.out)
 
 
-def _run(settings, out: str | None) -> int:
-    from areal_aio.controller import Orchestrator
+def _resume(run_dir: str, settings_path: str | None, overrides: list[str], out: str | None) -> int:
+    """`run --resume`: the checkpoint's settings plus resumable overrides (CheckpointError else)."""
+    from areal_aio.checkpoint import latest, resume_settings
 
-    orchestrator = Orchestrator(settings, out_dir=out)
+    if settings_path is not None or out is not None:
+        raise CheckpointError("--resume takes its settings and folder from the run; "
+                              "give no settings file or --out")
+    ckpt = latest(Path(run_dir))
+    return _run(resume_settings(ckpt, overrides), None, ckpt)
+
+
+def _eval(model: str, settings_path: str | None, overrides: list[str], out: str | None) -> int:
+    from areal_aio.evaluation import evaluate_model, model_settings
+
+    settings, spec, folder = model_settings(model, settings_path, overrides)
+    target = Path(out) if out is not None else folder / "eval.json"
     try:
-        summary = run_owned(orchestrator.run())
+        result = run_owned(evaluate_model(settings, target))
+    except WorkerFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{spec}: pass {result['pass_rate']:.3f}  strict {result['strict_rate']:.3f}  "
+          f"reward {result['reward_mean']:.3f}  ({result['n']} held-out prompts)")
+    print(f"wrote {target}")
+    return 0
+
+
+def _run(settings, out: str | None, resume=None) -> int:
+    from areal_aio.controller import Orchestrator
+    from areal_aio.trackers import run_tracked
+
+    orchestrator = Orchestrator(settings, out_dir=out, resume=resume)
+    try:
+        summary = run_owned(run_tracked(orchestrator))
     except KeyboardInterrupt:
         print(f"\ninterrupted; workers stopped, partial results in {orchestrator.folder}", file=sys.stderr)
         return 130
     except asyncio.CancelledError:
         print(f"\nterminated; workers stopped, partial results in {orchestrator.folder}", file=sys.stderr)
         return 143
-    except WorkerFailed as exc:
-        print(f"\nerror: {exc}\nrun folder: {orchestrator.folder}", file=sys.stderr)
+    except CheckpointError as exc:  # the folder holds a run, or another run is using it
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - any failure of the run: one line here, the rest in the folder
+        print(f"\nerror: {one_line(exc)}; {write_error_log(exc, orchestrator.folder)}", file=sys.stderr)
         return 1
     print(file=sys.stderr)
     print(orjson.dumps({k: summary.get(k) for k in SUMMARY_KEYS}, option=orjson.OPT_INDENT_2).decode())
@@ -75,7 +154,30 @@ def _run(settings, out: str | None) -> int:
     for row in summary["eval_curve"]:
         print(f"  {row['step']:4d} {row['wall_s']:8.1f}s  {row['pass_rate']:.3f}  {row['strict_rate']:.3f}")
     print(f"run folder: {orchestrator.folder}")
+    if summary.get("final_version"):
+        print(f"model: {orchestrator.folder / 'model'}")
     return 0
+
+
+def one_line(exc: BaseException) -> str:
+    """The cause of a failed run in one line: the first leaf of an exception group, its type
+    (unless it names its own cause, as 'trainer worker failed: ...' does) and first line."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return first if isinstance(exc, WorkerFailed) else f"{type(exc).__name__}: {first}".rstrip(": ")
+
+
+def write_error_log(exc: BaseException, folder: Path) -> str:
+    """The full traceback (and a worker's own, and its log tail) into <run>/error.log; returns
+    where to look, for the one line."""
+    text = "".join(traceback.format_exception(exc))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / ERROR_LOG).write_text(text)
+    except OSError as err:
+        return f"the traceback could not be written to {folder / ERROR_LOG} ({err.strerror or err})"
+    return f"see {folder / ERROR_LOG}"
 
 
 async def _owning_process(coro):

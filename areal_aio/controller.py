@@ -16,24 +16,41 @@
     [train_loop] (the one finite loop: max_steps / max_wall_s / threshold / stop())
         Train --> trainer pipe --> [trainer_reader] --Trained--> commit version = v+1
         --> UpdateWeights(v+1) to rollout --> capacity event --> eval every k steps
+        --> every run.checkpoint_every steps: Save(checkpoint) to the trainer (no Train until
+            Saved: both parts hold the same version) + controller state -> checkpoints/step-N
+        --> run.keep_best: a new best eval's version (its store file pinned meanwhile) -> best/
     [monitor]  loop lag, queue depths, progress line, row flushing
 
 Who blocks on whom: dispatch waits for the baseline eval (version 0, the
 rollout worker to itself), then for capacity (version commits and drops
 release it); train_loop waits for the replay buffer to hold a fresh batch and
 then for the trainer; readers wait on their pipes. Only train_loop ends the
-run: when it returns, the other tasks are cancelled, workers are asked to
-shut down (then terminated, then killed), the weight store folder is removed
-and the summary written. A worker Error or EOF raises WorkerFailed in its
-reader, which cancels the TaskGroup and takes the same shutdown path.
+run: when it returns, the other tasks are cancelled. Shutdown, on every path
+(normal end, threshold, max_wall_s, Ctrl-C, SIGTERM, a worker failure): while
+the rollout worker is stopped, a trainer that is alive first finishes (and
+commits) a step in flight, then writes model/ (the last committed version),
+best/ and a final checkpoint; then it is stopped too (asked, terminated,
+killed), the weight store folder is removed and the summary written. A worker
+Error or EOF raises WorkerFailed in its reader, which cancels the TaskGroup
+and takes the same shutdown path; so does RewardPoolBroken, raised by a score
+task when the reward pool keeps breaking.
+
+Resume (`resume=` a run folder): the controller state comes back from the
+newest checkpoint, the trainer starts from its trainer part and publishes that
+version, the rollout worker loads it; the groups admitted but not trained at
+the checkpoint are dispatched again first (same group ids, tasks and sampling
+seeds: the samples they lost in flight are counted as lost_in_flight), then
+the task stream continues after the tasks it had handed out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -42,11 +59,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areal_aio import wire
+import orjson
+
+from areal_aio import checkpoint, evaluation, wire
 from areal_aio.client import PipeWorker, WorkerClient, WorkerFailed, ensure_model
+from areal_aio.progress import Progress
 from areal_aio.replay import Group, ReplayBuffer
+from areal_aio.reward_pool import RewardPoolBroken
 from areal_aio.rewards import AnswerReward, Score, Scorer
 from areal_aio.runlog import RunLog
+from areal_aio.seeds import sample_seed
 from areal_aio.settings import Settings
 from areal_aio.staleness import may_admit, staleness
 from areal_aio.tasks import Task, eval_tasks, training_tasks
@@ -57,6 +79,9 @@ MONITOR_PERIOD_S = 0.05
 PROGRESS_PERIOD_S = 2.0
 EVENT_QUEUE = 10_000
 """Events buffered per subscriber; a subscriber that falls further behind loses the oldest."""
+STOP_SAVE_TIMEOUT_S = 600.0
+"""At a stop the trainer may first finish a step in flight, then writes model/ and a checkpoint:
+a few seconds for a 135M model, minutes at most for a large one on a slow disk."""
 
 
 @dataclass(slots=True)
@@ -66,6 +91,7 @@ class Sample:
     request_id: str
     group_id: int
     task: Task
+    index: int = 0  # position in its group (with group_id and retries: the sampling seed)
     retries: int = 0
     completion: wire.Completion | None = None
     score: Score | None = None
@@ -97,26 +123,31 @@ class Counts:
     eval_tokens: int = 0
     trained_tokens: int = 0
     reward_sum: float = 0.0
+    lost_in_flight: int = 0  # rollouts admitted, not trained, lost by a stop and redone on resume
     staleness_hist: Counter = field(default_factory=Counter)
 
 
 class Busy:
-    """Integrates the time a worker has work in hand (for idle fractions)."""
+    """Integrates the time a worker has work in hand (for idle fractions); `on_change(busy)` is
+    called when it starts or stops having work (the `busy` events a report's timeline draws)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[bool], None] = lambda busy: None) -> None:
         self.active = 0
         self.total = 0.0
         self._since = 0.0
+        self._on_change = on_change
 
     def up(self) -> None:
         if self.active == 0:
             self._since = time.perf_counter()
+            self._on_change(True)
         self.active += 1
 
     def down(self) -> None:
         self.active -= 1
         if self.active == 0:
             self.total += time.perf_counter() - self._since
+            self._on_change(False)
 
     def seconds(self) -> float:
         return self.total + (time.perf_counter() - self._since if self.active else 0.0)
@@ -127,24 +158,38 @@ class Orchestrator:
 
     `tasks`: any iterable or async iterable of Task (default: settings' task stream);
     `reward`: any sync or async callable (task, completion_text) -> float | Score;
-    `rollout` / `trainer`: WorkerClient instances (default: the real subprocesses).
+    `rollout` / `trainer`: WorkerClient instances (default: the real subprocesses);
+    `resume`: a run folder (or one of its checkpoints) to continue; `settings` may differ from
+    the checkpoint's only in checkpoint.RESUMABLE keys. A resumed run with its own `tasks`
+    skips as many tasks as the run had taken from its source (give the same source).
     Cancel the task awaiting `run()` to stop: workers are shut down, nothing is left behind.
     """
 
     def __init__(self, settings: Settings, *, tasks: Iterable[Task] | AsyncIterable[Task] | None = None,
                  reward: Callable[..., Any] | None = None, eval_set: list[Task] | None = None,
                  out_dir: str | Path | None = None, rollout: WorkerClient | None = None,
-                 trainer: WorkerClient | None = None) -> None:
+                 trainer: WorkerClient | None = None,
+                 resume: str | Path | checkpoint.Checkpoint | None = None) -> None:
         self.settings = settings
         self.eta = settings.eta
         self.max_in_flight = settings.max_in_flight
         self.B = settings.trainer.batch_size
         self.G = settings.rollout.group_size
-        self._tasks = tasks if tasks is not None else training_tasks(settings)
+        self._ckpt = resume if isinstance(resume, checkpoint.Checkpoint) or resume is None \
+            else checkpoint.latest(Path(resume))
+        state = self._ckpt.state if self._ckpt is not None else {}
+        if self._ckpt is not None:
+            checkpoint.check_compatible(self._ckpt, settings)
+        consumed = state.get("consumed", 0)
+        self._skip = consumed if tasks is not None else 0  # a caller's source: skip what was taken
+        self._tasks = tasks if tasks is not None else training_tasks(settings, start=consumed)
         self._reward = reward if reward is not None else AnswerReward(settings.task.format_bonus)
         self._eval_set = eval_set if eval_set is not None else eval_tasks(settings)
         name = settings.run.name or f"{settings.run.mode}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.folder = Path(out_dir) if out_dir is not None else Path(settings.run.out_dir) / name
+        if self._ckpt is not None:
+            self.folder = self._ckpt.path.parent.parent
+            name = self.folder.name
         self._name = name
         self.rollout = rollout or PipeWorker("rollout", self.folder / "rollout.log", settings.rollout.threads)
         self.trainer = trainer or PipeWorker("trainer", self.folder / "trainer.log", settings.trainer.threads)
@@ -166,8 +211,8 @@ class Orchestrator:
         self._source_done = False
         self._closing = False  # the train loop is done: in-flight rollouts are abandoned
         self._group_ids = itertools.count()
-        self._rollout_busy = Busy()
-        self._trainer_busy = Busy()
+        self._rollout_busy = Busy(lambda on: self.log.events.info("busy", worker="rollout", busy=on))
+        self._trainer_busy = Busy(lambda on: self.log.events.info("busy", worker="trainer", busy=on))
         self._subscribers: list[asyncio.Queue] = []
         self._eval_curve: list[dict] = []
         self._evals: set[asyncio.Task] = set()
@@ -179,6 +224,24 @@ class Orchestrator:
         self._max_trained_staleness = 0
         self.log: RunLog | None = None
         self.store: WeightStore | None = None
+        self._consumed = 0  # tasks taken from the source (resume skips them)
+        self._in_step: tuple | None = None  # (step, samples, stale, wait_s, t0) of the Train in flight
+        self._saved: asyncio.Future | None = None
+        self._workers_up = False
+        self._lock = None
+        self._eval_starts: dict[int, int] = {}  # eval step -> version it started on (keep_best pins)
+        self._best = {"pass_rate": -1.0, "version": None, "step": None}
+        self._best_pending: int | None = None  # a new best version not yet exported
+        self._redispatch: list[tuple[int, Task]] = []
+        self._late: wire.Trained | None = None
+        self._outstanding = 0  # Train and Save messages the trainer has not answered yet
+        self._resumes: list[dict] = []
+        self._spent = 0.0  # wall seconds of the run before this process (resume)
+        if self._ckpt is not None:
+            self._restore(state)
+        r = settings.run
+        self._watch = Progress(r.max_steps, self.folder, show=r.progress,
+                               completions_every=r.log_completions_every, evals=self._eval_curve)
 
     # ------------------------------------------------------------------ public
 
@@ -198,10 +261,17 @@ class Orchestrator:
             self._subscribers.remove(queue)
 
     async def run(self) -> dict:
-        """Prepare, start both workers, train until a stop condition; returns the summary."""
-        self.log = RunLog(self.folder, self.settings.to_toml())
+        """Prepare, start both workers, train until a stop condition; returns the summary.
+
+        Raises checkpoint.CheckpointError, before touching anything, when the folder already
+        holds a run (without resume) or another run is using it."""
+        self._lock = checkpoint.claim(self.folder, resume=self._ckpt is not None)
+        if self._ckpt is not None:
+            checkpoint.truncate_rows(self.folder, self._ckpt.state["rows"])
+        self.log = RunLog(self.folder, self.settings.to_toml(), append=self._ckpt is not None)
         self._scorer = Scorer(self._reward, timeout_s=self.settings.controller.reward_timeout_s,
-                              procs=self.settings.controller.reward_procs)
+                              procs=self.settings.controller.reward_procs,
+                              log_path=self.folder / "reward.log")
         error: BaseException | None = None
         try:
             if isinstance(self.rollout, PipeWorker) or isinstance(self.trainer, PipeWorker):
@@ -209,14 +279,19 @@ class Orchestrator:
                 self._cold_start["prepare_s"] = round(prep_s, 3)
             self.store = WeightStore.create(self._name.replace("/", "_"))
             await self._start_workers()
-            self._t0 = time.perf_counter()
+            self._t0 = time.perf_counter() - self._spent
+            if self._ckpt is not None:
+                self._resumed()
             self._emit("run_start", mode=self.settings.run.mode, eta=_num(self.eta))
             await self._supervise()
         except BaseException as exc:
             error = exc
             raise
         finally:
-            await asyncio.shield(self._shutdown(error))
+            try:
+                await asyncio.shield(self._shutdown(error))
+            finally:
+                self._lock.close()
         return self.summary
 
     # ------------------------------------------------------------------ lifecycle
@@ -224,9 +299,16 @@ class Orchestrator:
     async def _start_workers(self) -> None:
         t0 = time.perf_counter()
         settings = self.settings.to_dict()
+        resume = str(self._ckpt.trainer) if self._ckpt is not None else ""
         ready = await asyncio.gather(
             self.rollout.start(wire.Init("rollout", settings, str(self.store.root))),
-            self.trainer.start(wire.Init("trainer", settings, str(self.store.root))))
+            self.trainer.start(wire.Init("trainer", settings, str(self.store.root), resume)))
+        self._workers_up = True
+        if ready[1].version != self.version:
+            raise WorkerFailed("trainer", f"started at version {ready[1].version}, the checkpoint "
+                                          f"holds {self.version}")
+        if self.version:  # resumed: the trainer published this version; the rollout loads it first
+            await self.rollout.send(wire.UpdateWeights(self.version, str(self.store.path(self.version))))
         self._cold_start.update(cold_start_s=round(time.perf_counter() - t0, 3),
                                 rollout_load_s=round(ready[0].load_s, 3),
                                 trainer_load_s=round(ready[1].load_s, 3),
@@ -249,11 +331,12 @@ class Orchestrator:
     async def _shutdown(self, error: BaseException | None) -> None:
         for task in list(self._evals):
             task.cancel()
-        await asyncio.gather(self.rollout.stop(), self.trainer.stop(), return_exceptions=True)
-        self._scorer.close()
+        failure = _worker_failure(error)
+        await asyncio.gather(self.rollout.stop(), self._keep_and_stop_trainer(failure),
+                             return_exceptions=True)
+        await self._scorer.aclose()
         if self.store is not None:
             self.store.close()
-        failure = _worker_failure(error)
         self.summary = self._summarize(failure or error)
         if self.log is not None:
             self.log.events.info("run_end", error=None if error is None else type(error).__name__)
@@ -267,17 +350,27 @@ class Orchestrator:
     # ------------------------------------------------------------------ dispatch
 
     async def _task_stream(self) -> AsyncIterator[Task]:
+        skip = self._skip
         if isinstance(self._tasks, AsyncIterable):
             async for task in self._tasks:
+                if skip:
+                    skip -= 1
+                    continue
                 yield task
         else:
-            for task in self._tasks:
+            for task in itertools.islice(self._tasks, skip, None):
                 yield task
 
     async def _dispatch(self) -> None:
         """Admit one group at a time while the rate rule allows; the only writer of `live` upward."""
         stream = self._task_stream()
         await self._baseline_done.wait()
+        for gid, task in self._redispatch:  # admitted before the stop: admitted again first
+            samples = [Sample(f"g{gid}.{i}", gid, task, i) for i in range(self.G)]
+            self._groups[gid] = PendingGroup(task, samples)
+            self.live += self.G
+            await self._generate(*samples)
+        self._redispatch = []
         while True:
             while not may_admit(self.live, self.G, self.B, self.version, self.eta,
                                 self.live - self.trained, self.max_in_flight):
@@ -289,8 +382,9 @@ class Orchestrator:
                 self._source_done = True
                 self._batch_ready.set()  # let train_loop notice it can never fill a batch
                 return
+            self._consumed += 1
             gid = next(self._group_ids)
-            samples = [Sample(f"g{gid}.{i}", gid, task) for i in range(self.G)]
+            samples = [Sample(f"g{gid}.{i}", gid, task, i) for i in range(self.G)]
             self._groups[gid] = PendingGroup(task, samples)
             self.live += self.G
             self.counts.admitted += self.G
@@ -304,8 +398,9 @@ class Orchestrator:
         for sample in samples:
             self._requests[sample.request_id] = sample
             self._rollout_busy.up()
+            seed = sample_seed(self.settings.run.seed, sample.group_id, sample.index, sample.retries)
             msgs.append(wire.Generate(sample.request_id, sample.task.prompt, r.max_new_tokens,
-                                      r.temperature, r.top_p))
+                                      r.temperature, r.top_p, seed))
         await self.rollout.send_many(msgs)
 
     # ------------------------------------------------------------------ rollout side
@@ -391,10 +486,17 @@ class Orchestrator:
         while True:
             msg = await self.trainer.recv()
             match msg:
-                case wire.Trained() if self._trained is not None and not self._trained.done():
-                    self._trained.set_result(msg)
-                case wire.Trained() if self._trained is not None and self._trained.cancelled():
-                    pass  # the run is stopping and its step was cancelled first: a late reply, not a fault
+                case wire.Trained() | wire.Saved():
+                    waiter = self._trained if isinstance(msg, wire.Trained) else self._saved
+                    if waiter is None or (waiter.done() and not waiter.cancelled()):
+                        raise _failure(self.trainer, msg)
+                    self._outstanding -= 1
+                    if not waiter.done():
+                        waiter.set_result(msg)
+                    elif isinstance(msg, wire.Trained):
+                        # the run is stopping and cancelled its step first: a late reply, not a
+                        # fault; the stop commits it (the trainer holds that version now)
+                        self._late = msg
                 case _:
                     raise _failure(self.trainer, msg)
 
@@ -418,8 +520,13 @@ class Orchestrator:
 
     async def _train_loop(self) -> None:
         """The finite loop that decides when the run ends."""
-        # The baseline eval runs alone on version 0, before any training rollout is dispatched.
-        await self._evaluate(0, 0)
+        every = self.settings.run.checkpoint_every
+        if self._ckpt is None:
+            # The baseline eval runs alone on version 0, before any training rollout is dispatched.
+            await self._evaluate(0, 0)
+        elif self.step % self.settings.task.eval_every == 0 and \
+                not any(row["step"] == self.step for row in self._eval_curve):
+            self._start_eval()  # the checkpoint's own eval was in flight: this version is loaded
         self._baseline_done.set()
         while self.step < self.settings.run.max_steps and not self._should_stop():
             t_wait = time.perf_counter()
@@ -433,6 +540,10 @@ class Orchestrator:
             last = self.step >= self.settings.run.max_steps or self._should_stop()
             if self.step % self.settings.task.eval_every == 0 and not last:
                 self._start_eval()
+            if self._best_pending is not None:
+                await self._export_best()
+            if every and self.step % every == 0 and not last:
+                await self._checkpoint()
         # the final eval gets the rollout worker to itself: training rollouts end first
         await self._stop_generating()
         if not any(row["step"] == self.step for row in self._eval_curve) and \
@@ -457,30 +568,40 @@ class Orchestrator:
         train_samples = [wire.TrainSample(s.completion.prompt_ids, s.completion.completion_ids,
                                           s.completion.logprobs, s.completion.versions,
                                           s.score.reward, s.group_id) for s in samples]
-        self.step += 1
+        step = self.step + 1
         self._trained = asyncio.get_running_loop().create_future()
         self._trainer_busy.up()
         t0 = time.perf_counter()
-        await self.trainer.send(wire.Train(self.step, self.version, train_samples))
+        # set before sending: once the frame is written, a stop must wait for (and keep) the step
+        self._in_step = (step, samples, stale, wait_s, t0)
+        self._outstanding += 1
+        await self.trainer.send(wire.Train(step, self.version, train_samples))
         trained: wire.Trained = await self._trained
+        self._commit(trained)
+        await self.rollout.send(wire.UpdateWeights(self.version, trained.path))
+        if self.settings.controller.on_interrupt == "restart":
+            for rid in list(self._requests):
+                await self.rollout.send(wire.Abort(rid))
+
+    def _commit(self, trained: wire.Trained) -> None:
+        """Advance the clock to a Trained version and record its step (the rollout worker is
+        told by the caller, after this)."""
+        step, samples, stale, wait_s, t0 = self._in_step
+        self._in_step = None
         self._trainer_busy.down()
         train_s = time.perf_counter() - t0
         if trained.version != self.version + 1:
             raise WorkerFailed("trainer", f"reported version {trained.version} after {self.version}")
         # Commit: the controller is the only writer of the clock, and tells the rollout worker only now.
+        self.step = step
         self.version = trained.version
         wall = time.perf_counter() - self._t0
         self._commit_wall[self.version] = wall
-        await self.rollout.send(wire.UpdateWeights(self.version, trained.path))
-        if self.settings.controller.on_interrupt == "restart":
-            for rid in list(self._requests):
-                await self.rollout.send(wire.Abort(rid))
-        # Keep what someone may still load: the newest and the one before (rollout may be mid-load).
-        self.store.retain({self.version, self.version - 1})
+        self._retain()
         self.trained += len(samples)
         self._capacity.set()
         self.counts.accepted += len(samples)
-        self.counts.trained_tokens += sum(len(s.completion_ids) for s in train_samples)
+        self.counts.trained_tokens += sum(len(s.completion.completion_ids) for s in samples)
         self.counts.staleness_hist.update(stale)
         self._max_trained_staleness = max(self._max_trained_staleness, *stale)
         for s, st in zip(samples, stale, strict=True):
@@ -493,10 +614,175 @@ class Orchestrator:
                "strict_rate": sum(s.score.strict for s in samples) / len(samples),
                "staleness_max": max(stale), "staleness_mean": sum(stale) / len(stale),
                "replay_groups": len(self.replay), "in_flight": len(self._requests),
+               "gen_tokens_per_s": (self.counts.gen_tokens + self.counts.eval_tokens) / max(wall, 1e-9),
+               "train_tokens_per_s": self.counts.trained_tokens / max(wall, 1e-9),
                **{k: v for k, v in trained.stats.items() if k not in ("step", "version")}}
         self.log.row("steps", row)
         self.log.events.info("version_commit", version=self.version, step=self.step)
         self._publish({"kind": "step", **row})
+        self._watch.step(row, samples)
+
+    def _retain(self) -> None:
+        """Keep in the store what someone may still load: the newest and the one before (the
+        rollout worker may be mid-load); with keep_best also every version an eval in flight
+        may be stamped with, and a best not yet exported."""
+        keep = {self.version, self.version - 1}
+        if self.settings.run.keep_best:
+            floors = [*self._eval_starts.values(), *([self._best_pending] if self._best_pending else [])]
+            if floors:
+                keep |= set(range(min(floors), self.version + 1))
+        self.store.retain(keep)
+
+    # ------------------------------------------------------------------ keeping the run
+
+    async def _save(self, kind: str, path: Path, weights: str = "") -> wire.Saved:
+        """One Save to the trainer (from the train loop, between steps); its Saved."""
+        self._saved = asyncio.get_running_loop().create_future()
+        self._trainer_busy.up()
+        try:
+            self._outstanding += 1
+            await self.trainer.send(wire.Save(kind, str(path), weights))
+            return await self._saved
+        finally:
+            self._trainer_busy.down()
+
+    async def _checkpoint(self, request: Callable[..., Any] | None = None) -> None:
+        """Controller state now, trainer part next (the trainer holds this version: no Train is
+        sent until it is saved), then the atomic rename (areal_aio.checkpoint)."""
+        t0 = time.perf_counter()
+        state = self._state()
+        tmp = checkpoint.begin(self.folder, self.step)
+        saved = await (request or self._save)("checkpoint", tmp / "trainer")
+        if saved.version != self.version:
+            raise WorkerFailed("trainer", f"saved version {saved.version} for a checkpoint of {self.version}")
+        path, size = await asyncio.to_thread(checkpoint.commit, self.folder, tmp, state,
+                                             self.settings.run.keep_checkpoints)
+        self.log.events.info("checkpoint", step=self.step, version=self.version, path=str(path),
+                             bytes=size, seconds=round(time.perf_counter() - t0, 3),
+                             trainer_s=round(saved.seconds, 3))
+
+    async def _export(self, name: str, version: int, request: Callable[..., Any] | None = None,
+                      weights: str = "") -> None:
+        """The policy of `version` as an HF folder at <run>/<name>, replaced whole."""
+        t0 = time.perf_counter()
+        tmp = self.folder / f".{name}.tmp"
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
+        saved = await (request or self._save)("model", tmp, weights)
+        if not weights and saved.version != version:
+            raise WorkerFailed("trainer", f"exported version {saved.version}, expected {version}")
+        info = {"version": version, "step": self.step if name == "model" else self._best["step"],
+                "eval": next((r for r in reversed(self._eval_curve) if r["version"] == version), None),
+                "settings": self.settings.to_dict()}
+        (tmp / "areal_aio.json").write_bytes(orjson.dumps(info, option=orjson.OPT_INDENT_2))
+        await asyncio.to_thread(checkpoint.replace_folder, tmp, self.folder / name)
+        self.log.events.info("exported", folder=name, version=version, bytes=saved.bytes,
+                             seconds=round(time.perf_counter() - t0, 3))
+
+    async def _export_best(self, request: Callable[..., Any] | None = None) -> None:
+        version = self._best_pending
+        # the live weights when they are that version, else its (pinned) weight-store file
+        await self._export("best", version, request, "" if version == self.version else str(self.store.path(version)))
+        if self._best_pending == version:
+            self._best_pending = None
+        self._retain()
+
+    async def _keep_and_stop_trainer(self, failure: WorkerFailed | None) -> None:
+        """At a stop: a trainer that is alive keeps the run (finishes a step in flight, writes
+        model/, best/, a checkpoint), then is stopped."""
+        try:
+            if self._workers_up and not (failure is not None and failure.role == "trainer"):
+                await asyncio.wait_for(self._keep_at_stop(), STOP_SAVE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - keeping must never hide why the run stopped
+            if self.log is not None:
+                self.log.events.info("keep_failed", error=f"{type(exc).__name__}: {exc}")
+            print(f"areal_aio: could not write model/ or the final checkpoint: {exc}", file=sys.stderr)
+        finally:
+            await self.trainer.stop()
+
+    async def _keep_at_stop(self) -> None:
+        if self._late is not None and self._in_step is not None:
+            self._commit(self._late)  # it reached the reader before the reader was cancelled
+        while self._outstanding:  # replies to what was sent before the stop come first
+            await self._stop_reply()
+        if self.version < 1:
+            return
+        await self._export("model", self.version, self._stop_request)
+        if self._best_pending is not None:
+            await self._export_best(self._stop_request)
+        if self.settings.run.checkpoint_every:
+            await self._checkpoint(self._stop_request)
+
+    async def _stop_request(self, kind: str, path: Path, weights: str = "") -> wire.Saved:
+        """A Save at a stop, its reply read here (the trainer reader is gone)."""
+        self._outstanding += 1
+        await self.trainer.send(wire.Save(kind, str(path), weights))
+        return await self._stop_reply()
+
+    async def _stop_reply(self) -> wire.Saved | None:
+        """The trainer's next reply at a stop: a step in flight is committed, a Saved returned."""
+        msg = await self.trainer.recv()
+        match msg:
+            case wire.Trained() if self._in_step is not None:
+                self._outstanding -= 1
+                self._commit(msg)
+                return None
+            case wire.Saved():
+                self._outstanding -= 1
+                return msg
+            case _:
+                raise _failure(self.trainer, msg)
+
+    def _state(self) -> dict[str, Any]:
+        """Everything resuming needs, at one instant after a commit (rows flushed first, so the
+        row files' sizes mark where a resume cuts them back to)."""
+        self.log.flush_now()
+        open_groups = {gid: g.task for gid, g in self._groups.items() if not g.dropped}
+        open_groups.update({g.group_id: g.task for g in self.replay.groups()})
+        c = self.counts
+        counts = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "staleness_hist"}
+        return {
+            "step": self.step, "version": self.version, "trained": self.trained, "consumed": self._consumed,
+            "next_group": self._next_group(), "wall_s": time.perf_counter() - self._t0,
+            "open_groups": [{"group": gid, "task": dataclasses.asdict(task)}
+                            for gid, task in sorted(open_groups.items())],
+            "counts": counts, "staleness_hist": {str(k): v for k, v in c.staleness_hist.items()},
+            "eval_curve": self._eval_curve, "commit_wall": {str(k): v for k, v in self._commit_wall.items()},
+            "time_to_threshold": self._time_to_threshold, "max_trained_staleness": self._max_trained_staleness,
+            "best": self._best, "best_pending": self._best_pending,
+            "busy": {"rollout": self._rollout_busy.seconds(), "trainer": self._trainer_busy.seconds()},
+            "rows": self.log.sizes(), "resumes": self._resumes, "settings": self.settings.to_dict()}
+
+    def _next_group(self) -> int:
+        """The group id the next admitted group gets (peeked without using it)."""
+        gid = next(self._group_ids)
+        self._group_ids = itertools.count(gid)
+        return gid
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """The controller as it was at the checkpoint; its open groups are dispatched again."""
+        self.step, self.version, self.trained = state["step"], state["version"], state["trained"]
+        self.live = self.trained
+        self._consumed = state["consumed"]
+        self._group_ids = itertools.count(state["next_group"])
+        self._spent = state["wall_s"]
+        self.counts = Counts(**state["counts"], staleness_hist=Counter(
+            {int(k): v for k, v in state["staleness_hist"].items()}))
+        self._eval_curve = list(state["eval_curve"])
+        self._commit_wall = {int(k): v for k, v in state["commit_wall"].items()}
+        self._time_to_threshold = state["time_to_threshold"]
+        self._max_trained_staleness = state["max_trained_staleness"]
+        self._best, self._best_pending = dict(state["best"]), None  # that version's file is gone
+        self._rollout_busy.total, self._trainer_busy.total = state["busy"]["rollout"], state["busy"]["trainer"]
+        self._redispatch = [(g["group"], Task(**g["task"])) for g in state["open_groups"]]
+        self._resumes = list(state["resumes"])
+
+    def _resumed(self) -> None:
+        lost = self.G * len(self._redispatch)
+        self.counts.lost_in_flight += lost
+        entry = {"step": self.step, "version": self.version, "checkpoint": self._ckpt.path.name,
+                 "lost_in_flight": lost, "wall_s": round(self._spent, 3)}
+        self._resumes.append(entry)
+        self.log.events.info("resumed", **entry)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -506,33 +792,33 @@ class Orchestrator:
         task.add_done_callback(self._evals.discard)
 
     async def _evaluate(self, step: int, version: int) -> None:
-        """Greedy answers on the held-out set; never enters training."""
-        r = self.settings.rollout
+        """Greedy answers on the held-out set (areal_aio.evaluation); never enters training."""
         loop = asyncio.get_running_loop()
-        waiters = []
-        for i, task in enumerate(self._eval_set):
-            rid = f"eval{step}.{i}"
-            fut = loop.create_future()
-            self._eval_waiters[rid] = fut
-            waiters.append((task, fut))
-            self._rollout_busy.up()
-            await self.rollout.send(wire.Generate(rid, task.prompt, r.max_new_tokens, 0.0, 1.0))
-        completions = [await fut for _, fut in waiters]
-        scores = await asyncio.gather(*(self._scorer.score(t, c.text) for (t, _), c in zip(waiters, completions, strict=True)))
-        n = len(scores)
+        self._eval_starts[step] = version
+        try:
+            futures = []
+            for msg in evaluation.requests(self._eval_set, step, self.settings):
+                futures.append(fut := loop.create_future())
+                self._eval_waiters[msg.request_id] = fut
+                self._rollout_busy.up()
+                await self.rollout.send(msg)
+            completions = [await fut for fut in futures]
+            scores = await evaluation.score(self._scorer, self._eval_set, completions)
+        finally:
+            del self._eval_starts[step]
         self.counts.eval_tokens += sum(len(c.completion_ids) for c in completions)
         # With interrupts on, an eval answer can finish under newer weights than it started with;
         # the row is stamped with the newest version used, at the time that version was committed.
         newest = max(version, *(c.newest_version for c in completions))
         row = {"step": step, "version": newest, "wall_s": round(self._commit_wall[newest], 3),
-               "done_s": round(time.perf_counter() - self._t0, 3),
-               "pass_rate": sum(s.passed for s in scores) / n, "strict_rate": sum(s.strict for s in scores) / n,
-               "reward_mean": sum(s.reward for s in scores) / n,
+               "done_s": round(time.perf_counter() - self._t0, 3), **evaluation.rates(scores),
                "versions": [min(c.oldest_version for c in completions), newest]}
-        for (task, _), c, s in zip(waiters, completions, scores, strict=True):
-            self.log.row("samples", {"kind": "eval", "step": step, "task_id": task.id, "prompt": task.prompt,
-                                     "answer": task.answer, "reply": c.text, "reward": s.reward,
-                                     "pass": s.passed, "strict": s.strict, "tokens": len(c.completion_ids)})
+        for sample_row in evaluation.sample_rows(step, self._eval_set, completions, scores):
+            self.log.row("samples", sample_row)
+        if newest >= 1 and row["pass_rate"] > self._best["pass_rate"]:
+            self._best = {"pass_rate": row["pass_rate"], "version": newest, "step": step}
+            if self.settings.run.keep_best:
+                self._best_pending = newest  # exported by the train loop (or at the stop)
         self._eval_curve.append(row)
         self.log.events.info("eval", **row)
         self._publish({"kind": "eval", **row})
@@ -545,6 +831,12 @@ class Orchestrator:
     # ------------------------------------------------------------------ monitoring
 
     async def _monitor(self) -> None:
+        try:
+            await self._monitor_loop()
+        finally:
+            self._watch.close()
+
+    async def _monitor_loop(self) -> None:
         last_progress = time.perf_counter()
         expected = time.perf_counter() + MONITOR_PERIOD_S
         while True:
@@ -559,17 +851,7 @@ class Orchestrator:
                 self.log.events.info("queues", in_flight=len(self._requests), replay_groups=len(self.replay),
                                      pending_groups=len(self._groups), live=self.live, version=self.version)
                 await self.log.flush()
-                if self.settings.run.progress:
-                    self._progress(now)
-
-    def _progress(self, now: float) -> None:
-        wall = now - self._t0
-        ev = self._eval_curve[-1] if self._eval_curve else None
-        rates = "-" if ev is None else f"{ev['pass_rate']:.2f}/{ev['strict_rate']:.2f}"
-        line = (f"step {self.step}/{self.settings.run.max_steps} v{self.version} eval {rates} "
-                f"stale<= {self._max_trained_staleness} gen {self.counts.gen_tokens / max(wall, 1e-9):.0f} tok/s "
-                f"train {self.counts.trained_tokens / max(wall, 1e-9):.0f} tok/s {wall:.0f}s")
-        print(f"\r{line:<100}", end="", file=sys.stderr, flush=True)
+                self._watch.refresh()
 
     def _emit(self, event: str, **fields: Any) -> None:
         self._publish({"kind": "event", "event": event, **fields})
@@ -606,6 +888,8 @@ class Orchestrator:
             "samples_dropped_stale": c.dropped_stale, "samples_dropped_interrupt": c.dropped_interrupt,
             "samples_unused": unused, "interrupts": c.interrupts, "restarts": c.restarts,
             "reward_failures": c.reward_failures, "max_staleness_trained": self._max_trained_staleness,
+            "lost_in_flight": c.lost_in_flight, "resumes": self._resumes,
+            "best_eval": self._best if self._best["version"] is not None else None,
             "staleness_hist": {str(k): v for k, v in sorted(c.staleness_hist.items())},
             "eval_curve": sorted(self._eval_curve, key=lambda r: r["step"]),
             "threshold": s.run.threshold or None, "time_to_threshold_s": self._time_to_threshold,
@@ -633,9 +917,10 @@ def _failure(worker: Any, msg: Any) -> WorkerFailed:
     return WorkerFailed(worker.role, f"unexpected {type(msg).__name__}")
 
 
-def _worker_failure(error: BaseException | None) -> WorkerFailed | None:
-    """The WorkerFailed inside a TaskGroup's ExceptionGroup, if that is what ended the run."""
-    if isinstance(error, WorkerFailed):
+def _worker_failure(error: BaseException | None) -> WorkerFailed | RewardPoolBroken | None:
+    """The WorkerFailed (or RewardPoolBroken) inside a TaskGroup's ExceptionGroup, if that is
+    what ended the run."""
+    if isinstance(error, (WorkerFailed, RewardPoolBroken)):
         return error
     if isinstance(error, BaseExceptionGroup):
         for exc in error.exceptions:

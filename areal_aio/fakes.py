@@ -5,18 +5,21 @@ emits `tokens` tokens per request, one per `token_delay_s`, each stamped with
 the version it holds at that moment, and follows the interrupt rule of the
 real one (interrupt: switch versions at once; otherwise hold new requests, let
 the ones in flight finish on the old weights, load, then start the held ones). Its answer to a prompt comes from `policy(prompt, version)`.
-The fake trainer answers Train after `step_delay_s` with the next version.
-Both record what happened (`log`) so tests can check ordering and overlap.
+The fake trainer answers Train after `step_delay_s` with the next version, and
+Save by writing small stand-in files (a checkpoint part it can resume from: its
+version; a "model" folder with a config.json). Both record what happened (`log`) so tests can check ordering and overlap.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from areal_aio import wire
@@ -164,6 +167,7 @@ class FakeTrainer(_FakeWorker):
         self.fail_at_step = fail_at_step
         self.version = 0
         self.batches: list[wire.Train] = []
+        self.saves: list[wire.Save] = []
         self.log: list[tuple[float, str, int]] = []
         self._out: asyncio.Queue[Any] = asyncio.Queue()
         self._shm_dir = ""
@@ -171,7 +175,9 @@ class FakeTrainer(_FakeWorker):
 
     async def start(self, init: wire.Init) -> wire.Ready:
         self._shm_dir = init.shm_dir
-        return wire.Ready(role=self.role, pid=os.getpid(), load_s=0.0, device="fake", version=0)
+        if init.resume:
+            self.version = json.loads((Path(init.resume) / "state.json").read_text())["version"]
+        return wire.Ready(role=self.role, pid=os.getpid(), load_s=0.0, device="fake", version=self.version)
 
     async def send(self, msg: Any) -> None:
         match msg:
@@ -180,6 +186,18 @@ class FakeTrainer(_FakeWorker):
                     await self._out.put(wire.Error(self.role, f"version {msg.version} != {self.version}", ""))
                     return
                 self._task = asyncio.create_task(self._train(msg))
+            case wire.Save():
+                self.saves.append(msg)
+                await self._after_train()  # a real trainer answers in order: Train first
+                folder = Path(msg.path)
+                folder.mkdir(parents=True, exist_ok=True)
+                if msg.kind == "checkpoint":
+                    (folder / "state.json").write_text(json.dumps({"version": self.version}))
+                else:
+                    (folder / "config.json").write_text(json.dumps({"version": self.version,
+                                                                    "weights": msg.weights}))
+                size = sum(p.stat().st_size for p in folder.iterdir())
+                await self._out.put(wire.Saved(msg.kind, str(folder), self.version, size, 0.0))
             case wire.Shutdown():
                 await self.stop()
             case _:
@@ -199,6 +217,10 @@ class FakeTrainer(_FakeWorker):
         await self._out.put(wire.Trained(step=msg.step, version=self.version,
                                          path=os.path.join(self._shm_dir, f"v{self.version}.safetensors"),
                                          stats={"loss": 0.0, "tokens": tokens, "seconds": self.step_delay_s}))
+
+    async def _after_train(self) -> None:
+        if self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
 
     async def recv(self) -> Any | None:
         return await self._out.get()

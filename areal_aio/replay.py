@@ -1,7 +1,9 @@
 """The replay buffer: rewarded groups wait here until a batch takes them.
 
-Oldest first (by the oldest token version, then arrival), every group used
-once. `take` drops groups that became too stale while they waited and returns
+Oldest first (by the oldest token version, then admission: the group id), every
+group used once. Admission order rather than arrival order keeps a batch's order
+independent of which rollout happened to finish first, so a synchronous run trains
+on the same batch, in the same order, every time (and again after a resume). `take` drops groups that became too stale while they waited and returns
 them apart, so the caller can count them; a group is kept, dropped and trained
 whole, because GRPO normalizes within it.
 """
@@ -9,7 +11,6 @@ whole, because GRPO normalizes within it.
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,13 +34,16 @@ class Group:
 @dataclass(slots=True)
 class ReplayBuffer:
     _heap: list[tuple[int, int, Group]] = field(default_factory=list)
-    _arrival: itertools.count = field(default_factory=itertools.count)
 
     def __len__(self) -> int:
         return len(self._heap)
 
+    def groups(self) -> list[Group]:
+        """The waiting groups (any order)."""
+        return [item[2] for item in self._heap]
+
     def put(self, group: Group) -> None:
-        heapq.heappush(self._heap, (group.oldest_version, next(self._arrival), group))
+        heapq.heappush(self._heap, (group.oldest_version, group.group_id, group))
 
     def drop_stale(self, version: int, eta: float) -> list[Group]:
         """Remove and return every group whose staleness at `version` exceeds eta."""

@@ -12,20 +12,26 @@ tagged.
 
 A reward function is any callable `(task, completion_text)` returning a float,
 a `Score`, or an awaitable of either. Floats become `Score(reward, passed=reward > 0)`.
+The contract (`Scorer`): every reward is finite or it is a counted failure (reward 0):
+one that raises, returns anything else (NaN, inf, a string), or takes longer than
+`controller.reward_timeout_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import inspect
 import math
-import multiprocessing
 import pickle
 import re
-from concurrent.futures import ProcessPoolExecutor
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from areal_aio.reward_pool import RewardPool, RewardPoolBroken
 from areal_aio.tasks import Task
 
 TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
@@ -87,78 +93,120 @@ class AnswerReward:
 
 
 def as_score(value: Any) -> Score:
-    """Normalize what a user's reward function returned."""
+    """Normalize what a user's reward function returned; TypeError unless its reward is finite."""
     if isinstance(value, Score):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not _finite(value.reward):
+            raise TypeError(f"a Score's reward must be a finite number, got {value.reward!r}")
+        return value if type(value.reward) is float else dataclasses.replace(value, reward=float(value.reward))
+    if not _finite(value):
         raise TypeError(f"a reward function must return a finite float or a Score, got {value!r}")
     return Score(reward=float(value), passed=value > 0)
 
 
-class Scorer:
-    """Runs a reward function off the event loop with a timeout; failures score 0 and are counted.
+def _finite(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
-    Sync functions run in a process pool (`procs` > 0 and picklable), else in a
-    thread; `procs` = 0 with a picklable sync function scores inline, for rewards
-    that take microseconds (the built-in one) where a pool hop costs more than it saves.
-    Async functions are awaited on the loop.
+
+FAILED = Score(reward=0.0, passed=False, strict=False, failed=True)
+
+
+class Scorer:
+    """Runs a reward function with a timeout; every result is finite or a counted failure.
+
+    Where each kind of reward function runs:
+      * async: awaited on the loop, cancelled at the timeout;
+      * sync and picklable, `procs` > 0: in the reward pool (`reward_pool.py`); a call past
+        the timeout has its process killed and replaced; a pool that keeps breaking raises
+        RewardPoolBroken, which stops the run;
+      * sync, not picklable (a lambda, a closure) or `procs` = 0: in a daemon thread of its
+        own; past the timeout the thread is abandoned (a thread cannot be killed), which
+        keeps it from delaying the process's exit;
+      * the built-in AnswerReward with `procs` = 0: inline on the caller's thread (it takes
+        microseconds; a thread or pool hop would cost more than it saves).
     """
 
-    def __init__(self, fn: Any, *, timeout_s: float, procs: int) -> None:
+    def __init__(self, fn: Any, *, timeout_s: float, procs: int, log_path: Path | None = None) -> None:
         self.fn = fn
         self.timeout_s = timeout_s
         self.failures = 0
-        self._pool: ProcessPoolExecutor | None = None
-        self._inline = False
+        self._pool: RewardPool | None = None
+        self._inline = procs == 0 and type(fn) is AnswerReward
         self._async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             type(fn).__call__)
-        if self._async:
+        if self._async or self._inline or procs == 0:
             return
         try:
             pickle.dumps(fn)
-            picklable = True
         except Exception:  # noqa: BLE001 - lambdas and closures go to a thread instead
-            picklable = False
-        if procs > 0 and picklable:
-            self._pool = ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"))
-        elif procs == 0 and picklable:
-            self._inline = True
+            return
+        self._pool = RewardPool(fn, procs=procs, timeout_s=timeout_s, log_path=log_path)
 
     @property
     def inline(self) -> bool:
-        """True when `score_inline` may be used: a cheap picklable sync function, procs = 0."""
+        """True when `score_inline` may be used: the built-in reward with procs = 0."""
         return self._inline
+
+    @property
+    def pool(self) -> RewardPool | None:
+        return self._pool
 
     def score_inline(self, task: Task, completion: str) -> Score:
         """Score on the caller's thread (no task, no pool hop); failures score 0 and are counted."""
         try:
             return as_score(self.fn(task, completion))
         except Exception:  # noqa: BLE001 - a failing reward scores 0 and is counted
-            self.failures += 1
-            return Score(reward=0.0, passed=False, strict=False, failed=True)
+            return self._failed()
 
     async def score(self, task: Task, completion: str) -> Score:
+        """The reward of one completion; RewardPoolBroken when the pool cannot go on."""
         if self._inline:
             return self.score_inline(task, completion)
         try:
             if self._async:
                 value = await asyncio.wait_for(self.fn(task, completion), self.timeout_s)
             elif self._pool is not None:
-                loop = asyncio.get_running_loop()
-                value = await asyncio.wait_for(
-                    loop.run_in_executor(self._pool, self.fn, task, completion), self.timeout_s)
+                value = await self._pool.call(task, completion)
             else:
-                value = await asyncio.wait_for(asyncio.to_thread(self.fn, task, completion), self.timeout_s)
+                value = await asyncio.wait_for(_in_thread(self.fn, task, completion), self.timeout_s)
             if inspect.isawaitable(value):
                 value = await asyncio.wait_for(value, self.timeout_s)
             return as_score(value)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, RewardPoolBroken):
             raise
         except BaseException:  # noqa: BLE001 - a failing reward scores 0 and is counted
-            self.failures += 1
-            return Score(reward=0.0, passed=False, strict=False, failed=True)
+            return self._failed()
 
-    def close(self) -> None:
+    def _failed(self) -> Score:
+        self.failures += 1
+        return FAILED
+
+    async def aclose(self) -> None:
+        """Kill and reap the pool's processes (a thread left in a hung call is a daemon: abandoned)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+            await self._pool.aclose()
+
+
+def _in_thread(fn: Any, task: Task, completion: str) -> asyncio.Future:
+    """fn(task, completion) in a daemon thread of its own: unlike asyncio.to_thread (the loop's
+    executor, joined at loop close and at exit), one that never returns is left behind."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if future.done():
+            return
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def work() -> None:
+        try:
+            result = (True, fn(task, completion))
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            result = (False, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed while this call hung
+            loop.call_soon_threadsafe(settle, *result)
+
+    threading.Thread(target=work, name="reward", daemon=True).start()
+    return future

@@ -5,12 +5,20 @@
         summary.json       written at the end, also after a failure (with "error")
         steps.jsonl        one row per trainer step
         samples.jsonl      one row per sample once its fate is known (trained / dropped / eval)
-        events.jsonl       version commits, weight loads, interrupts, queue depths (structlog)
+        events.jsonl       version commits, weight loads, interrupts, queue depths,
+                           checkpoints, resumes (structlog)
         rollout.log        the workers' stderr
         trainer.log
+        model/             the policy of the last committed version, a plain HF folder
+                           (written at every stop that committed an update)
+        best/              run.keep_best: the trained version with the best eval pass rate
+        checkpoints/       step-<N>/ folders that `run --resume` continues (areal_aio.checkpoint)
+        eval.json          written by `python -m areal_aio eval RUN_FOLDER`
+        .lock              held by the run using the folder
 
 Rows are buffered in memory and appended by `flush` through aiofiles, so the
-event loop never waits on a disk.
+event loop never waits on a disk. A resumed run appends (`append=True`) after
+the controller cut steps/samples back to their size at the checkpoint.
 """
 
 from __future__ import annotations
@@ -27,13 +35,15 @@ STREAMS = ("steps", "samples", "events")
 
 
 class RunLog:
-    def __init__(self, folder: Path, settings_toml: str) -> None:
+    def __init__(self, folder: Path, settings_toml: str, *, append: bool = False) -> None:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "settings.toml").write_text(settings_toml)
         self._rows: dict[str, list[bytes]] = {name: [] for name in STREAMS}
         for name in STREAMS:
-            (folder / f"{name}.jsonl").write_bytes(b"")
+            path = folder / f"{name}.jsonl"
+            if not append or not path.exists():
+                path.write_bytes(b"")
         self.t0 = time.perf_counter()
         # A private structlog logger (no global configuration): events become rows here.
         self.events = structlog.wrap_logger(
@@ -60,6 +70,10 @@ class RunLog:
             if rows:
                 with open(self.folder / f"{name}.jsonl", "ab") as fh:
                     fh.write(b"".join(rows))
+
+    def sizes(self) -> dict[str, int]:
+        """Bytes in each row file (call after `flush_now`): where a resume cuts them back to."""
+        return {name: (self.folder / f"{name}.jsonl").stat().st_size for name in ("steps", "samples")}
 
     def write_summary(self, summary: dict) -> None:
         (self.folder / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))

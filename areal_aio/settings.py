@@ -18,8 +18,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from areal_aio.trackers import report_to_error
+
 MODES = ("sync", "one_step", "areal")
 OBJECTIVES = ("pg", "ppo", "decoupled_ppo")
+ADVANTAGES = ("grpo", "drgrpo", "batch")
+CAP_MODES = ("mask", "clamp")
+"""The trainer's objectives, advantage kinds and cap modes: named here, the one home of the
+names (torch-free, so the controller and `check` read them); workers/losses.py implements them."""
 UNBOUNDED = -1
 """`controller.max_staleness = -1` means no staleness bound (the ablation's 'unbounded')."""
 UNBOUNDED_IN_FLIGHT_BATCHES = 8
@@ -49,7 +55,12 @@ class RunSettings:
     threshold: float = opt(0.0, "Stop at the first eval whose pass rate is >= this; 0 disables (time_to_threshold_s is still recorded when reached).", ge=0, le=1)
     out_dir: str = opt("runs", "Parent folder of run folders (one folder per run).")
     name: str = opt("", "Run folder name; empty = <mode>-<timestamp>.")
-    progress: bool = opt(True, "Print a live progress line to stderr.")
+    progress: bool = opt(True, "Print a live progress line to stderr (one plain line per step when stderr is not a terminal).")
+    report_to: list = opt([], "Also send step and eval metrics to any of tensorboard, wandb, trackio (each an optional extra: pip install 'areal_aio[tensorboard]'); the JSONL rows stay the record.")
+    log_completions_every: int = opt(10, "Every this many steps, show a few prompts with their replies, rewards and versions (console and completions.md in the run folder); 0 = off.", ge=0)
+    checkpoint_every: int = opt(50, "Write a checkpoint (policy, optimizer, controller state) every this many steps, and at every stop; 0 = no checkpoints. 50: in a side-by-side pair of default runs one SmolLM2-135M checkpoint (1.6 GB) cost 13.8 s of run time, 1.8% of 50 steps of ~15 s on a 2-core CPU.", ge=0)
+    keep_checkpoints: int = opt(1, "Checkpoints kept in <run>/checkpoints (the newest); each holds about 3x the fp32 model (weights and AdamW moments).", ge=1)
+    keep_best: bool = opt(False, "Also keep <run>/best/: the trained version with the highest held-out pass rate, as an HF folder.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,18 +104,18 @@ class TrainerSettings:
     objective: str = opt("decoupled_ppo", "pg | ppo | decoupled_ppo (preset to decoupled_ppo by run.mode = areal).", choices=OBJECTIVES)
     lr: float = opt(1e-5, "AdamW learning rate.", gt=0)
     weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
-    advantage: str = opt("grpo", "grpo (group mean and std) | drgrpo (group mean only) | batch (batch mean and std).", choices=("grpo", "drgrpo", "batch"))
+    advantage: str = opt("grpo", "grpo (group mean and std) | drgrpo (group mean only) | batch (batch mean and std).", choices=ADVANTAGES)
     clip_eps: float = opt(0.2, "PPO clip: ratio kept in [1 - clip_eps, 1 + clip_eps_high].", gt=0, le=1)
     clip_eps_high: float = opt(0.28, "Upper PPO clip (decoupled clip-higher).", gt=0)
     behav_cap: float = opt(5.0, "decoupled_ppo: cap on pi_prox / pi_behav per token.", gt=1)
-    cap_mode: str = opt("mask", "decoupled_ppo: tokens over behav_cap are masked out or clamped to the cap.", choices=("mask", "clamp"))
+    cap_mode: str = opt("mask", "decoupled_ppo: tokens over behav_cap are masked out or clamped to the cap.", choices=CAP_MODES)
     kl_coef: float = opt(0.0, "k3 KL penalty coefficient; 0 disables.", ge=0)
     kl_ref: str = opt("behav", "KL against the behaviour log-probs or a frozen copy of the initial weights.", choices=("behav", "ref"))
     minibatches: int = opt(1, "Optimizer steps per batch (the batch is split into this many).", ge=1)
-    micro_tokens: int = opt(4096, "Token cap of one micro-batch (dynamic batching); gradients accumulate across them.", ge=16)
-    share_prompts: str = opt("auto", "Run each group's prompt once and its completions on that KV (exact, fewer tokens): on | off | auto (on for CPU, off for CUDA, where small models are launch-bound and the extra pass costs more than it saves).", choices=("auto", "on", "off"))
+    micro_tokens: int = opt(4096, "Token cap of one micro-batch (dynamic batching): the positions the model computes, padding included; gradients accumulate across them.", ge=16)
+    share_prompts: str = opt("auto", "Pack each group into one row, its prompt once and then its completions, each seeing the prompt and its own past (exact; computes the real tokens, no padding to the longest reply; needs sdpa or eager attention): on | off | auto (on for CPU; off for CUDA, where a small model is kernel-launch-bound and the layout is not measured yet).", choices=("auto", "on", "off"))
     grad_clip: float = opt(1.0, "Clip the gradient norm to this; 0 disables.", ge=0)
-    bf16: bool = opt(True, "bf16 autocast for forward/backward (fp32 master weights).")
+    bf16: str = opt("auto", "bf16 autocast for forward/backward (fp32 master weights): on | off | auto (on where the hardware multiplies bf16 natively: a CUDA device that supports it, a CPU with AVX512-BF16 or AMX; off elsewhere, since an AVX2 CPU emulates bf16 and a matmul ran ~30x slower than fp32). true / false mean on / off.", choices=("auto", "on", "off"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +123,9 @@ class ControllerSettings:
     max_staleness: int = opt(4, "eta in areal mode; -1 = unbounded. sync forces 0, one_step forces 1.", ge=-1)
     on_interrupt: str = opt("continue", "continue (finish under the new weights) | restart (resubmit from scratch, up to max_retries).", choices=("continue", "restart"))
     max_retries: int = opt(2, "restart: resubmissions of one task before it is dropped.", ge=0)
-    reward_timeout_s: float = opt(10.0, "A reward taking longer scores 0 and is counted.", gt=0)
+    reward_timeout_s: float = opt(10.0, "A reward taking longer scores 0 and is counted (in the pool its process is killed and replaced; in a thread the thread is abandoned).", gt=0)
     max_in_flight: int = opt(0, "Rollouts started and not yet trained at most; 0 = none beyond the staleness rule, or 8 batches when max_staleness = -1.", ge=0)
-    reward_procs: int = opt(1, "Processes of the reward pool (CPU-heavy scoring off the event loop); 0 scores in a thread.", ge=0)
+    reward_procs: int = opt(1, "Processes of the reward pool (CPU-heavy scoring off the event loop); 0 = no pool: the built-in reward is scored inline (microseconds), any other sync reward in a thread.", ge=0)
 
 
 SECTIONS: dict[str, type] = {
@@ -151,6 +162,8 @@ class Settings:
                                 f">= rollout.group_size ({self.rollout.group_size}): groups start whole")
         if self.task.eval_seed == self.run.seed:
             raise SettingsError("task.eval_seed: must differ from run.seed (the eval set is held out)")
+        if (problem := report_to_error(self.run.report_to)) is not None:
+            raise SettingsError(f"run.report_to: {problem}")
         for key, dev in (("rollout.device", self.rollout.device), ("trainer.device", self.trainer.device)):
             if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
                 raise SettingsError(f"{key}: {dev!r} not allowed; use cpu, cuda or cuda:N")
@@ -174,6 +187,12 @@ class Settings:
     @property
     def prompts_per_step(self) -> int:
         return self.trainer.batch_size // self.rollout.group_size
+
+    @classmethod
+    def from_dict(cls, data: dict[str, dict[str, Any]]) -> Settings:
+        """The inverse of `to_dict`: a resolved tree (as workers receive it in Init) rebuilt as
+        is, with no mode presets applied again (they were applied when it was resolved)."""
+        return cls(**{name: section(**data[name]) for name, section in SECTIONS.items()})
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -205,6 +224,14 @@ def load_settings(path: str | Path | None = None, overrides: list[str] | tuple[s
         except tomllib.TOMLDecodeError as exc:
             raise SettingsError(f"{path}: not valid TOML: {exc}") from None
     return build_settings(raw, overrides)
+
+
+def resolved_settings(tree: dict[str, dict[str, Any]], overrides: list[str] | tuple[str, ...] = ()) -> Settings:
+    """Settings from a resolved tree (`Settings.to_dict()`, as a checkpoint keeps it): its values
+    are final, so mode presets do not apply over them again; `overrides` still win."""
+    given = [f"{section}.{key}={_toml_value(value)}" for section, values in tree.items()
+             for key, value in values.items()]
+    return build_settings({}, [*given, *overrides])
 
 
 def build_settings(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Settings:
@@ -294,7 +321,11 @@ def _coerce(key: str, value: Any, kind: Any, meta: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SettingsError(f"{key}: expected a number{_range(meta)}, got {value!r}")
         value = float(value)
+        if not math.isfinite(value):  # inf passes every bound and NaN fails none: both spoil a run
+            raise SettingsError(f"{key}: expected a finite number{_range(meta)}, got {value!r}")
     elif kind is str:
+        if isinstance(value, bool) and meta["choices"] and {"on", "off"} <= set(meta["choices"]):
+            value = "on" if value else "off"  # on/off keys take TOML booleans too
         if not isinstance(value, str):
             raise SettingsError(f"{key}: expected a string, got {value!r}")
     elif kind is list:
@@ -306,7 +337,7 @@ def _coerce(key: str, value: Any, kind: Any, meta: Any) -> Any:
         raise SettingsError(f"{key}: {value!r} not allowed; choose one of {', '.join(map(str, meta['choices']))}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if (meta["ge"] is not None and value < meta["ge"]) or (meta["le"] is not None and value > meta["le"]) \
-                or (meta["gt"] is not None and value <= meta["gt"]) or (isinstance(value, float) and math.isnan(value)):
+                or (meta["gt"] is not None and value <= meta["gt"]):
             raise SettingsError(f"{key}: {value!r} out of range; allowed{_range(meta)}")
     return value
 

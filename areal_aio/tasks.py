@@ -36,23 +36,26 @@ def arithmetic_prompt(question: str) -> str:
     return f"{question} {ANSWER_INSTRUCTION}"
 
 
-def _arithmetic(task: TaskSettings, seed: int, size: int, prefix: str) -> Iterator[Task]:
+def _arithmetic(task: TaskSettings, seed: int, size: int, prefix: str, start: int = 0) -> Iterator[Task]:
     import reasoning_gym
 
     dataset = reasoning_gym.create_dataset(
         "basic_arithmetic", min_terms=task.terms, max_terms=task.terms, min_digits=task.digits,
         max_digits=task.digits, operators=tuple(task.operators), allow_parentheses=False,
         allow_negation=False, seed=seed, size=size)
-    for index in range(size):
+    for index in range(start, size):
         item = dataset[index]
         yield Task(id=f"{prefix}{index}", prompt=arithmetic_prompt(item["question"]),
                    answer=str(item["answer"]))
 
 
-def arithmetic_stream(task: TaskSettings, seed: int) -> Iterator[Task]:
-    """Endless training tasks: epoch e is drawn with seed (seed, e), so a run never repeats a stream."""
-    for epoch in itertools.count():
-        yield from _arithmetic(task, seed * 1_000_003 + epoch, EPOCH, f"t{epoch}-")
+def arithmetic_stream(task: TaskSettings, seed: int, start: int = 0) -> Iterator[Task]:
+    """Endless training tasks: epoch e is drawn with seed (seed, e), so a run never repeats a
+    stream. Task i is item i % EPOCH of epoch i // EPOCH: `start` skips to it directly."""
+    first = start // EPOCH
+    for epoch in itertools.count(first):
+        yield from _arithmetic(task, seed * 1_000_003 + epoch, EPOCH, f"t{epoch}-",
+                               start % EPOCH if epoch == first else 0)
 
 
 def read_jsonl(path: str | Path) -> list[Task]:
@@ -63,22 +66,40 @@ def read_jsonl(path: str | Path) -> list[Task]:
             continue
         try:
             row = orjson.loads(line)
-            tasks.append(Task(id=str(row.get("id", number)), prompt=str(row["prompt"]),
-                              answer=str(row["answer"])))
-        except (orjson.JSONDecodeError, KeyError, AttributeError) as exc:
-            raise ValueError(f"{path}:{number}: expected an object with prompt and answer ({exc})") from None
+        except orjson.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not valid JSON ({exc})") from None
+        problem = _row_problem(row)
+        if problem:
+            raise ValueError(f"{path}:{number}: {problem}; expected an object with a prompt string "
+                             f"and an answer (string or number)")
+        tasks.append(Task(id=str(row.get("id", number)), prompt=row["prompt"], answer=str(row["answer"])))
     if not tasks:
-        raise ValueError(f"{path}: no tasks")
+        raise ValueError(f"{path}: no tasks (the file is empty)")
     return tasks
 
 
-def training_tasks(settings: Settings) -> Iterator[Task]:
-    """The default training stream of `settings` (endless: jsonl files are cycled)."""
+def _row_problem(row: object) -> str:
+    """What is wrong with one JSONL row, or "" (a None or a list would become the text "None")."""
+    if not isinstance(row, dict):
+        return f"a {type(row).__name__}, not an object"
+    if not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+        return "no prompt" if "prompt" not in row else f"prompt is {row['prompt']!r}"
+    answer = row.get("answer")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        return "no answer" if "answer" not in row else f"answer is {answer!r}"
+    return ""
+
+
+def training_tasks(settings: Settings, start: int = 0) -> Iterator[Task]:
+    """The default training stream of `settings` (endless: jsonl files are cycled), from its
+    `start`-th task on (a resumed run continues where it stopped)."""
     if settings.task.name == "jsonl":
         rows = read_jsonl(settings.task.path)
         held_out = settings.task.eval_size if len(rows) > settings.task.eval_size else 0
-        return itertools.cycle(rows[:len(rows) - held_out])
-    return arithmetic_stream(settings.task, settings.run.seed)
+        train = rows[:len(rows) - held_out]
+        offset = start % len(train)
+        return itertools.cycle(train[offset:] + train[:offset])
+    return arithmetic_stream(settings.task, settings.run.seed, start)
 
 
 def eval_tasks(settings: Settings) -> list[Task]:

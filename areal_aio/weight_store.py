@@ -5,20 +5,19 @@
         v<N>.safetensors                 policy version N; written as .v<N>.tmp, then renamed,
                                          so a reader never sees half a file
 
-The trainer publishes (`publish`), the rollout worker loads (`load_weights`),
+The trainer publishes (`publish`), the rollout worker loads
+(`areal_aio.safetensors_io.load_weights`),
 the controller decides what to keep (`retain`) and removes the folder
 (`close`). Tied weights (lm_head = embed_tokens) are written once and tied
-again on load. torch and safetensors are imported only by the functions that
-move tensors, so the controller stays free of them.
+again on load. The bytes themselves are written and read by
+`areal_aio.safetensors_io`, imported only by `publish`, so the controller stays free of torch.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import struct
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -119,8 +118,10 @@ class WeightStore:
         `dtype` (a torch dtype) casts floating tensors on the way out, in small pieces
         through one scratch buffer, so a bf16 copy of the whole model is never allocated.
         """
-        state = _unique_state(model)
-        need = HEADER_ROOM + sum(t.numel() * _out_dtype(t, dtype).itemsize for t in state.values())
+        from areal_aio.safetensors_io import HEADER_ROOM, out_dtype, unique_state, write_safetensors
+
+        state = unique_state(model)
+        need = HEADER_ROOM + sum(t.numel() * out_dtype(t, dtype).itemsize for t in state.values())
         free = shutil.disk_usage(self.root).free
         if need > free:
             raise WeightStoreError(f"{self.root}: {need / 2**20:.0f} MiB needed for v{version}, "
@@ -128,7 +129,7 @@ class WeightStore:
         final = self.path(version)
         tmp = self.root / f".v{version}.tmp"
         try:
-            _write_safetensors(tmp, state, dtype, {"version": str(version)})
+            write_safetensors(tmp, state, dtype, {"version": str(version)})
             os.replace(tmp, final)
         except BaseException as exc:
             tmp.unlink(missing_ok=True)
@@ -136,243 +137,3 @@ class WeightStore:
                 raise WeightStoreError(f"writing {final}: {exc}") from exc
             raise
         return final
-
-
-# ---- the safetensors format, written and read without intermediate copies -------------------
-#
-#   [8 bytes: little-endian u64 header length N][N bytes: JSON header, space-padded]
-#   [tensor bytes, back to back, in header offset order]
-#   header: {"__metadata__": {...}, name: {"dtype": "F32", "shape": [...], "data_offsets": [b, e]}}
-#
-# safetensors' own `load_file` returns fresh tensors that `load_weights` would copy again, and
-# its save needs the cast copy of the whole model in memory first; writing the bytes of each
-# tensor straight from its storage and reading them straight into the parameters' storage
-# leaves one write and one read: the floor a raw file copy sets (bench/weight_sync.py).
-
-HEADER_ROOM = 1 << 20
-"""Slack for the JSON header in the free-space check."""
-CAST_CHUNK = 1 << 20
-"""Elements cast per piece when publishing in another dtype (a few MiB: stays in cache)."""
-HEADER_ALIGN = 8
-"""safetensors pads the header so tensor data starts 8-byte aligned."""
-MAX_HEADER = 100 << 20
-"""A header longer than this is not a weight file of ours."""
-_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-           "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-
-
-def _unique_state(model: Any) -> dict[str, Any]:
-    """State dict with each shared storage once (tied lm_head dropped), detached."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in model.state_dict().items():
-        key = tensor.untyped_storage().data_ptr()
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = tensor.detach()
-    return out
-
-
-def _out_dtype(tensor: Any, dtype: Any) -> Any:
-    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-
-
-def _as_bytes(tensor: Any) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor (no copy)."""
-    import torch
-
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
-def _write_safetensors(path: Path, state: dict[str, Any], dtype: Any, metadata: dict[str, str]) -> None:
-    import torch
-
-    codes = {getattr(torch, v): k for k, v in _DTYPES.items()}
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, t in state.items():
-        out = _out_dtype(t, dtype)
-        if out not in codes:
-            raise WeightStoreError(f"{name}: dtype {out} cannot be stored")
-        size = t.numel() * out.itemsize
-        header[name] = {"dtype": codes[out], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % HEADER_ALIGN)
-    scratch = None
-    with open(path, "wb", buffering=0) as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw)
-        if _gpu_staged(state.values(), dtype, header):
-            # every tensor on the GPU: queue all device-to-host copies into one page-locked
-            # buffer, wait once, write it in one go (not a synchronous copy per tensor)
-            staging = _pinned("publish", offset)
-            for name, t in state.items():
-                begin, end = header[name]["data_offsets"]
-                out = _out_dtype(t, dtype)
-                staging[begin:end].view(out).view(t.shape).copy_(t.detach().to(out), non_blocking=True)
-            torch.cuda.synchronize()
-            _write_all(fh, _as_bytes(staging))
-            return
-        for t in state.values():
-            out = _out_dtype(t, dtype)
-            if out == t.dtype:
-                _write_all(fh, _as_bytes(t.contiguous().cpu()))
-                continue
-            if t.device.type != "cpu":
-                _write_all(fh, _as_bytes(t.to(out).contiguous().cpu()))
-                continue
-            flat = t.reshape(-1)  # a view when contiguous
-            if scratch is None or scratch.dtype != out:
-                scratch = torch.empty(CAST_CHUNK, dtype=out)
-            for lo in range(0, flat.numel(), CAST_CHUNK):
-                piece = flat[lo:lo + CAST_CHUNK]
-                part = scratch[:piece.numel()]
-                part.copy_(piece)  # the cast, into a cache-sized buffer reused for every piece
-                _write_all(fh, _as_bytes(part))
-
-
-def _write_all(fh: Any, data: memoryview) -> None:
-    while len(data):
-        n = fh.write(data)
-        data = data[n:]
-
-
-def _read_header(fh: Any, path: Path) -> tuple[dict[str, Any], int]:
-    """(header without __metadata__, file offset where tensor data starts)."""
-    head = fh.read(8)
-    if len(head) != 8:
-        raise WeightStoreError(f"{path}: not a safetensors file (too short)")
-    (n,) = struct.unpack("<Q", head)
-    if n > MAX_HEADER:
-        raise WeightStoreError(f"{path}: not a safetensors file (header of {n} bytes)")
-    try:
-        header = json.loads(fh.read(n))
-    except ValueError as exc:
-        raise WeightStoreError(f"{path}: unreadable safetensors header ({exc})") from None
-    header.pop("__metadata__", None)
-    return header, 8 + n
-
-
-def _read_into(fh: Any, target: memoryview) -> None:
-    got = 0
-    while got < len(target):
-        n = fh.readinto(target[got:])
-        if not n:
-            raise WeightStoreError(f"{fh.name}: file ends early (truncated weight file)")
-        got += n
-
-
-def load_weights(model: Any, path: str | Path) -> float:
-    """Copy v<N>.safetensors into `model` in place (tied weights follow); returns seconds.
-
-    A tensor whose dtype, shape and device match its parameter is read straight into
-    the parameter's memory; any other is read once and cast/moved by `copy_`.
-    """
-    import torch
-
-    t0 = time.perf_counter()
-    path = Path(path)
-    params = model.state_dict()
-    try:
-        fh = open(path, "rb", buffering=0)  # noqa: SIM115 - closed below
-    except FileNotFoundError:
-        raise WeightStoreError(f"{path}: no such weight version") from None
-    with fh:
-        header, base = _read_header(fh, path)
-        missing = [k for k in params if k not in header and not _is_tied(model, k)]
-        unknown = [k for k in header if k not in params]
-        if missing or unknown:
-            raise WeightStoreError(f"{path}: does not fit this model: missing {missing[:5]}, "
-                                   f"unexpected {unknown[:5]}")
-        for name, info in header.items():
-            if list(params[name].shape) != list(info["shape"]):
-                raise WeightStoreError(f"{path}: {name} has shape {info['shape']}, "
-                                       f"the model's is {list(params[name].shape)}")
-        order = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-        fh.seek(base)
-        pos = 0
-        if _gpu_staged([params[name] for name in header], None, header):
-            _load_staged(fh, path, order, params)
-            return time.perf_counter() - t0
-        with torch.no_grad():
-            for name, info in order:
-                begin, end = info["data_offsets"]
-                if begin != pos:
-                    fh.seek(base + begin)
-                file_dtype = getattr(torch, _DTYPES.get(info["dtype"], ""), None)
-                if file_dtype is None:
-                    raise WeightStoreError(f"{path}: {name} has unsupported dtype {info['dtype']}")
-                dest = params[name]
-                if (dest.dtype == file_dtype and dest.device.type == "cpu" and dest.is_contiguous()
-                        and dest.numel() * dest.element_size() == end - begin):
-                    _read_into(fh, _as_bytes(dest))
-                else:
-                    buf = torch.empty(info["shape"], dtype=file_dtype)
-                    if buf.numel() * buf.element_size() != end - begin:
-                        raise WeightStoreError(f"{path}: {name}: offsets do not match its shape")
-                    _read_into(fh, _as_bytes(buf))
-                    dest.copy_(buf)
-                pos = end
-    return time.perf_counter() - t0
-
-
-def _is_tied(model: Any, name: str) -> bool:
-    return bool(getattr(model.config, "tie_word_embeddings", False)) and name.startswith("lm_head.")
-
-
-# ---- GPU models: one page-locked staging buffer per direction ----------------------------------
-
-_PINNED: dict[str, Any] = {}
-"""Reused page-locked host buffers ("publish", "load"), grown on demand: pinning is slow, reuse is free."""
-
-
-def _pinned(kind: str, nbytes: int) -> Any:
-    import torch
-
-    buf = _PINNED.get(kind)
-    if buf is None or buf.numel() < nbytes:
-        _PINNED[kind] = buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return buf[:nbytes]
-
-
-def _gpu_staged(tensors: Iterable[Any], dtype: Any, header: dict[str, Any]) -> bool:
-    """True when every tensor is on a CUDA device and every tensor's bytes start aligned
-    to its element size (so a byte slice of the staging buffer can be viewed as it)."""
-    tensors = list(tensors)
-    if not tensors or any(t.device.type != "cuda" for t in tensors):
-        return False
-    for info in header.values():
-        if isinstance(info, dict) and "data_offsets" in info:
-            size = _dtype_size(info["dtype"])
-            if size is None or info["data_offsets"][0] % size:
-                return False
-    return True
-
-
-def _dtype_size(code: str) -> int | None:
-    import torch
-
-    name = _DTYPES.get(code)
-    return getattr(torch, name).itemsize if name else None
-
-
-def _load_staged(fh: Any, path: Path, order: list[tuple[str, dict]], params: dict[str, Any]) -> None:
-    """Read the whole data region into a page-locked buffer, queue every host-to-device copy,
-    wait once."""
-    import torch
-
-    end = max((info["data_offsets"][1] for _, info in order), default=0)
-    staging = _pinned("load", end)
-    _read_into(fh, _as_bytes(staging))
-    with torch.no_grad():
-        for name, info in order:
-            begin, stop = info["data_offsets"]
-            file_dtype = getattr(torch, _DTYPES.get(info["dtype"], ""), None)
-            if file_dtype is None:
-                raise WeightStoreError(f"{path}: {name} has unsupported dtype {info['dtype']}")
-            piece = staging[begin:stop].view(file_dtype)
-            if piece.numel() != params[name].numel():
-                raise WeightStoreError(f"{path}: {name}: offsets do not match its shape")
-            params[name].copy_(piece.view(params[name].shape), non_blocking=True)
-    torch.cuda.synchronize()

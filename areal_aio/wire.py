@@ -7,8 +7,11 @@ depends on weights carries a version.
 
     controller -> rollout : Init, Generate, Abort, UpdateWeights, Shutdown
     rollout -> controller : Ready, Completion, WeightsLoaded, Error
-    controller -> trainer : Init, Train, Shutdown
-    trainer -> controller : Ready, Trained, Error
+    controller -> trainer : Init, Train, Save, Shutdown
+    trainer -> controller : Ready, Trained, Saved, Error
+
+A run that resumes starts its trainer with `Init.resume` (the checkpoint's trainer part) and
+then sends the rollout worker UpdateWeights with the checkpoint's policy file.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Init:
     role: str  # "rollout" or "trainer"
     settings: dict  # Settings.to_dict() of the run
     shm_dir: str  # the run's private folder under /dev/shm (weight store)
+    resume: str = ""  # trainer: a checkpoint's trainer/ folder to continue from ("" = fresh start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +62,34 @@ class Generate:
     max_new_tokens: int
     temperature: float
     top_p: float = 1.0
+    seed: int | None = None  # sampling seed (areal_aio.seeds); None: the worker assigns one
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    """Write what the trainer holds into `path` (a new folder) and answer Saved.
+
+    kind "model": the policy as a plain HF folder (config, safetensors, tokenizer with its chat
+    template, generation config); with `weights` (a weight-store file of an older version)
+    those weights instead of the live ones. kind "checkpoint": the trainer's part of a
+    checkpoint (fp32 policy, optimizer state, torch RNG, version). Taken between Train
+    messages, so it holds the version of the last Trained.
+    """
+
+    kind: str  # "model" | "checkpoint"
+    path: str
+    weights: str = ""  # kind "model": export this v<N>.safetensors instead of the live policy
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """A Save is on disk (files fsynced)."""
+
+    kind: str
+    path: str
+    version: int  # the trainer's version when it saved (of `weights` when given: the controller knows it)
+    bytes: int  # total size written
+    seconds: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,11 +185,11 @@ class Error:
 
 
 Message = (Init | Ready | Generate | Abort | UpdateWeights | WeightsLoaded | Completion
-           | Train | Trained | Shutdown | Error)
+           | Train | Trained | Save | Saved | Shutdown | Error)
 """The closed set of frames; TrainSample travels only inside Train."""
 TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     Init, Ready, Generate, Abort, UpdateWeights, WeightsLoaded, Completion, Train, Trained,
-    Shutdown, Error)}
+    Save, Saved, Shutdown, Error)}
 
 
 def encode(msg: Any) -> bytes:

@@ -34,7 +34,7 @@ TINY_BATCH = ("model.path=embedded:tiny-random", "rollout.group_size=4", "traine
               "rollout.max_new_tokens=8", "task.eval_size=8", "task.eval_every=2",
               "run.progress=false", "controller.reward_procs=0")
 """The --quick base: the smallest real run (tiny-random model, 2 groups of 4, 8 tokens)."""
-IGNORED_FOR_RESUME = {("run", "progress")}
+IGNORED_FOR_RESUME = {("run", "progress"), ("run", "report_to"), ("run", "log_completions_every")}
 """Settings that do not change a run's results: a finished cell is reused whatever they are."""
 
 RunFn = Callable[[Settings, Path], Awaitable[dict]]

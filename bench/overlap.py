@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from areal_aio.settings import build_settings
     from areal_aio.weight_store import SHM_BASE, WeightStore
-    from bench.train_step import make_batch
+    from bench.train_step import make_batch, reply_lengths
     from workers.common import configure_torch
     from workers.models import SMOLLM2, TINY, load_model
     from workers.trainer import Trainer
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.completion_tokens
     configure_torch(args.device, 1)
     model, tok = load_model(spec, seed=0, device=args.device)
-    batch = make_batch(len(tok), SEQS, completion_tokens=tokens)
+    batch = make_batch(len(tok), reply_lengths("uniform", SEQS, tokens))
     s = build_settings({}, (f"model.path={spec}", f"trainer.batch_size={SEQS}", f"rollout.group_size={GROUP}",
                             f"trainer.device={args.device}", f"rollout.device={args.device}"))
     store = WeightStore.create("bench-overlap", base=SHM_BASE)

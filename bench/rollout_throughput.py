@@ -36,7 +36,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from areal_aio.weight_store import SHM_BASE, WeightStore, load_weights  # noqa: E402
+from areal_aio.safetensors_io import load_weights  # noqa: E402
+from areal_aio.weight_store import SHM_BASE, WeightStore  # noqa: E402
 from bench.common import save_figure, write_json  # noqa: E402
 from workers.common import configure_torch  # noqa: E402
 from workers.engine import Engine, Request  # noqa: E402

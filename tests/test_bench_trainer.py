@@ -23,13 +23,34 @@ def test_train_step_quick(tmp_path, capsys, keep_threads) -> None:
 
     assert train_step.main(["--quick", "--out", str(tmp_path)]) == 0
     table = capsys.readouterr().out
-    assert "fp32" in table and "bf16-shared" in table
+    assert "fp32" in table and "bf16-shared" in table and "mixed" in table
     res = json.loads((tmp_path / "results.json").read_text())
-    rows = {(r["threads"], r["variant"]) for r in res["rows"]}
-    assert rows == {(t, v) for t in (1, 2) for v in train_step.VARIANTS}
+    rows = {(r["threads"], r["lengths"], r["variant"]): r for r in res["rows"]}
+    assert set(rows) == {(t, m, v) for t in (1, 2) for m in train_step.LENGTH_MIXES
+                         for v in train_step.VARIANTS}
     assert all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in res["rows"])
-    assert res["completion_tokens"] == train_step.QUICK_SEQS * train_step.COMPLETION_TOKENS
+    uniform, mixed = res["mixes"]["uniform"], res["mixes"]["mixed"]
+    assert uniform["completion_tokens"] == train_step.QUICK_SEQS * train_step.COMPLETION_TOKENS
+    assert mixed["reply_lengths"] == list(train_step.MIXED_REPLY_TOKENS[0])  # one group of 8
+    # padded rows compute the gaps of the mixed replies; a packed group computes each token once
+    assert rows[1, "mixed", "bf16"]["computed_per_token"] > 3
+    assert rows[1, "mixed", "bf16-shared"]["computed_per_token"] < 1.4
     assert (tmp_path / "train_step.png").stat().st_size > 1000
+
+
+def test_train_step_length_mixes() -> None:
+    from bench import train_step
+
+    assert train_step.reply_lengths("uniform", 3, 16) == [16, 16, 16]
+    mixed = train_step.reply_lengths("mixed", 32)
+    rows = train_step.MIXED_REPLY_TOKENS
+    assert mixed[:24] == [n for row in rows for n in row] and mixed[24:] == list(rows[0])
+    batch = train_step.make_batch(100, mixed)
+    assert [len(s.completion_ids) for s in batch] == mixed
+    assert [s.group for s in batch] == [i // train_step.GROUP for i in range(32)]
+    assert len({tuple(s.prompt_ids) for s in batch[:8]}) == 1  # a group shares its prompt
+    with pytest.raises(ValueError, match="length mix"):
+        train_step.reply_lengths("long", 8)
 
 
 def test_weight_sync_quick(tmp_path, capsys, keep_threads) -> None:

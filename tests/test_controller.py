@@ -219,7 +219,9 @@ async def test_worker_error_stops_run_with_traceback_and_cleans_up(tmp_path):
     assert "Traceback" in str(info.value)
     assert not orch.store.root.exists()
     summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
-    assert "fake trainer failure" in summary["error"] and summary["steps"] == 2
+    # steps counts committed updates: step 2 failed, so one was committed
+    assert "fake trainer failure" in summary["error"] and summary["steps"] == summary["final_version"] == 1
+    assert not (tmp_path / "run" / "model").exists()  # a failed trainer exports nothing
 
 
 async def test_rollout_error_stops_run(tmp_path):

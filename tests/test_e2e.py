@@ -190,3 +190,110 @@ async def test_learning_raises_held_out_reward(tmp_path):
     trained = [orjson.loads(x)["reward_mean"] for x in (out / "steps.jsonl").read_bytes().splitlines()]
     assert sum(trained[-5:]) / 5 > sum(trained[:5]) / 5 + 0.05, trained
     assert curve[-1] > curve[0] + 0.3, curve
+
+
+# ---------------------------------------------------------------- keeping and resuming runs
+
+RESUME_CHILD = """
+import asyncio, itertools, sys
+from areal_aio.controller import Orchestrator
+from areal_aio.settings import build_settings
+from areal_aio.tasks import Task
+
+def vowel_share(task, completion):
+    letters = [c for c in completion.lower() if c.isalpha()]
+    return sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
+
+out, steps, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "resume"
+tasks = [Task(f"t{i}", f"Write something about topic number {i}.", "") for i in range(300)]
+held_out = [Task(f"e{i}", f"Write something about topic number {i}.", "") for i in range(300, 304)]
+settings = build_settings({}, sys.argv[4:] + [f"run.max_steps={steps}"])
+orch = Orchestrator(settings, tasks=itertools.cycle(tasks), eval_set=held_out, reward=vowel_share,
+                    out_dir=None if resume else out, resume=out if resume else None)
+print(asyncio.run(orch.run())["steps"])
+"""
+EXACT = TINY + ["run.mode=sync", "run.checkpoint_every=3", "rollout.max_batch=1", "rollout.temperature=1.0",
+                "trainer.lr=3e-2", "task.eval_every=2"]
+"""max_batch = 1: every row decodes alone, so its logits are bitwise the same however requests
+arrive (a batched step's differ by ~1e-6 on CPU, enough to flip a draw now and then)."""
+
+
+def child(out: Path, steps: int, how: str, sets: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", RESUME_CHILD, str(out), str(steps), how, *sets],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kw)
+
+
+def kill_after_checkpoint(proc: subprocess.Popen, folder: Path, step: int) -> None:
+    """SIGKILL to the whole process group once the checkpoint of `step` is complete."""
+    manifest = folder / "checkpoints" / f"step-{step:06d}" / "manifest.json"
+    deadline = time.time() + 120
+    while not manifest.exists():
+        assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def trained_rows(folder: Path) -> list[tuple]:
+    rows = [orjson.loads(x) for x in (folder / "samples.jsonl").read_bytes().splitlines()]
+    return [(r["step"], r["request_id"], r["prompt"], r["reply"], r["reward"], r["oldest_version"],
+             r["newest_version"]) for r in rows if r["kind"] == "train"]
+
+
+def test_sync_run_killed_after_a_checkpoint_and_resumed_equals_the_uninterrupted_run(tmp_path):
+    whole = child(tmp_path / "whole", 6, "new", EXACT)
+    killed = child(tmp_path / "cut", 6, "new", EXACT)
+    kill_after_checkpoint(killed, tmp_path / "cut", 3)
+    assert whole.wait(300) == 0, whole.stderr.read()
+    resumed = child(tmp_path / "cut", 6, "resume", EXACT)
+    assert resumed.wait(300) == 0, resumed.stderr.read()
+    a, b = (tmp_path / "whole" / "model" / "model.safetensors").read_bytes(), \
+        (tmp_path / "cut" / "model" / "model.safetensors").read_bytes()
+    assert a == b  # bitwise identical weights
+    rows = trained_rows(tmp_path / "whole")
+    assert rows == trained_rows(tmp_path / "cut") and len(rows) == 6 * 8
+    assert len({r[4] for r in rows}) > 1  # a dense reward: the updates really moved the weights
+    steps = [orjson.loads(x)["step"] for x in (tmp_path / "cut" / "steps.jsonl").read_bytes().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    summary = orjson.loads((tmp_path / "cut" / "summary.json").read_bytes())
+    assert [r["step"] for r in summary["eval_curve"]] == [0, 2, 4, 6]
+    assert summary["resumes"][0]["step"] == 3 and summary["error"] is None
+
+
+def test_areal_run_resumes_its_curve_exports_a_loadable_model_that_eval_scores_alike(tmp_path):
+    folder = tmp_path / "areal"
+    name = f"e2e-resume-{os.getpid()}"
+    sets = [arg for kv in TINY + [f"run.name={name}", "run.mode=areal", "run.max_steps=4",
+                                  "run.checkpoint_every=2"] for arg in ("--set", kv)]
+    proc = subprocess.Popen([sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"), *sets,
+                             "--out", str(folder)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    kill_after_checkpoint(proc, folder, 2)
+    done = subprocess.run([sys.executable, "-m", "areal_aio", "run", "--resume", str(folder),
+                           "--set", "run.progress=false"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    summary = orjson.loads((folder / "summary.json").read_bytes())
+    assert summary["steps"] == summary["final_version"] == 4 and summary["error"] is None
+    assert [r["step"] for r in summary["eval_curve"]] == [0, 2, 4]
+    assert summary["resumes"][0]["step"] == 2
+    assert summary["lost_in_flight"] == summary["resumes"][0]["lost_in_flight"]
+    steps = [orjson.loads(x)["step"] for x in (folder / "steps.jsonl").read_bytes().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert not shm_folders(name)  # the killed run's folder too (swept by the resumed run)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder / "model")
+    tok = AutoTokenizer.from_pretrained(folder / "model")
+    assert tok.chat_template and model.config.use_cache
+    assert orjson.loads((folder / "model" / "areal_aio.json").read_bytes())["version"] == 4
+
+    scored = subprocess.run([sys.executable, "-m", "areal_aio", "eval", str(folder)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert scored.returncode == 0, scored.stderr
+    result = orjson.loads((folder / "eval.json").read_bytes())
+    last = [orjson.loads(x) for x in (folder / "samples.jsonl").read_bytes().splitlines()]
+    last = [r for r in last if r["kind"] == "eval" and r["step"] == 4]
+    assert [r["reply"] for r in result["samples"]] == [r["reply"] for r in last]
+    assert result["pass_rate"] == summary["eval_curve"][-1]["pass_rate"]

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
+from areal_aio.seeds import uniform
 from areal_aio.weight_store import WeightStore
 from workers import engine as engine_module
 from workers.engine import HEADROOM_TOKENS, Engine, Request, _draw, _Seq, _tail_buckets, _top_p
@@ -111,10 +112,34 @@ def test_top_p_keeps_the_smallest_nucleus():
 def test_draw_follows_the_distribution():
     probs = torch.tensor([0.5, 0.0, 0.3, 0.2])
     logp = probs.log().expand(20_000, 4)
-    draws = _draw(logp, torch.Generator().manual_seed(0))
+    u = torch.tensor([uniform(12345, j) for j in range(20_000)])  # one request's token uniforms
+    draws = _draw(logp, u)
     freq = torch.bincount(draws, minlength=4).float() / len(draws)
     assert freq[1] == 0  # probability 0 (cut by top-p) is never drawn
     assert torch.allclose(freq, probs, atol=0.015)
+
+
+def test_a_probability_zero_last_token_is_never_drawn_at_the_largest_uniform():
+    logp = torch.tensor([[0.6, 0.4, 0.0]]).log()
+    assert int(_draw(logp, torch.tensor([1 - 2.0 ** -24]))[0]) == 1
+
+
+def test_sampled_tokens_do_not_depend_on_batching(tiny):
+    """A seeded request draws the same tokens alone or sharing its steps with other requests,
+    admitted at other times: each token's uniform is a function of (seed, position) only."""
+    model, tok = tiny
+    ids = [encode_prompt(tok, p) for p in PROMPTS]
+    alone = Engine(model, tok, max_batch=1, seed=0)
+    alone.add(Request("x", ids[0], 12, 1.0, seed=99))
+    expected = _drain(alone)["x"]
+    crowded = Engine(model, tok, max_batch=3, seed=5)
+    for i, p in enumerate(ids[1:]):
+        crowded.add(Request(f"o{i}", p, 4 + 3 * i, 1.0))
+    crowded.step()
+    crowded.add(Request("x", ids[0], 12, 1.0, seed=99))
+    got = _drain(crowded)["x"]
+    assert got.completion_ids == expected.completion_ids
+    assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
 
 
 def test_long_sequences_outgrow_the_kv_headroom(tiny):

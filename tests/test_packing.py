@@ -49,15 +49,3 @@ def test_random_invariants(seed: int) -> None:
     # greedy: the next sequence would not have fitted into the previous micro-batch
     for prev, nxt in zip(batches, batches[1:], strict=False):
         assert padded_tokens(lengths, [*prev, nxt[0]]) > cap
-
-
-def test_group_micro_batches_cost_prompts_once_per_group() -> None:
-    from workers.packing import group_micro_batches
-
-    assert group_micro_batches([50, 52], [[9] * 8, [20] * 8], 300) == [[0], [1]]
-    assert group_micro_batches([50, 52], [[9] * 8, [20] * 8], 2 * 52 + 16 * 20) == [[0, 1]]
-    # a group over the budget still gets a micro-batch of its own; order and coverage kept
-    packs = group_micro_batches([10, 400, 10, 10], [[5, 5], [5], [3], [4, 4]], 64)
-    assert packs == [[0], [1], [2, 3]]
-    with pytest.raises(ValueError):
-        group_micro_batches([1], [[1], [1]], 10)

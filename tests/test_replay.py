@@ -19,8 +19,16 @@ def test_oldest_first_each_group_once():
     batch, dropped = buf.take(2, version=2, eta=4)
     assert [g.group_id for g in batch] == [3, 1] and not dropped
     batch, _ = buf.take(2, version=2, eta=4)
-    assert [g.group_id for g in batch] == [0, 2]  # same version: arrival order
+    assert [g.group_id for g in batch] == [0, 2]  # same version: admission (group id) order
     assert buf.take(1, version=2, eta=4) == ([], []) and len(buf) == 0
+
+
+def test_same_version_groups_leave_in_admission_order_whatever_their_arrival():
+    buf = ReplayBuffer()
+    for gid in (5, 3, 4):
+        buf.put(group(gid, 1))
+    batch, _ = buf.take(3, version=1, eta=0)
+    assert [g.group_id for g in batch] == [3, 4, 5]
 
 
 def test_take_drops_stale_groups_whole_and_returns_them():

@@ -96,3 +96,13 @@ def test_check_cli_prints_resolved_settings_and_fails_on_bad_key():
     bad = subprocess.run([sys.executable, "-m", "areal_aio", "check", str(ROOT / "settings.toml"),
                           "--set", "rollout.temprature=1"], capture_output=True, text=True)
     assert bad.returncode != 0 and "rollout.temperature" in bad.stderr
+
+
+def test_on_off_keys_take_booleans_and_reject_other_text():
+    assert build_settings({"trainer": {"bf16": True}}).trainer.bf16 == "on"
+    assert build_settings({}, ["trainer.bf16=false", "trainer.share_prompts=true"]).trainer.bf16 == "off"
+    assert build_settings({}).trainer.bf16 == "auto"
+    with pytest.raises(SettingsError, match="trainer.bf16"):
+        build_settings({}, ["trainer.bf16=maybe"])
+    with pytest.raises(SettingsError, match="rollout.interrupt"):  # a real bool key stays strict
+        build_settings({}, ["rollout.interrupt=on"])

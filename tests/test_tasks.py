@@ -51,3 +51,19 @@ def test_jsonl_bad_rows_name_the_line(tmp_path):
     path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2"):
         read_jsonl(path)
+
+
+def test_streams_resume_at_any_position(tmp_path):
+    """A resumed run continues its task stream where it stopped: start=n is the stream minus n."""
+    from areal_aio.tasks import EPOCH, arithmetic_stream, training_tasks
+
+    settings = build_settings({}, ["run.seed=3"])
+    whole = list(itertools.islice(training_tasks(settings), 40))
+    assert list(itertools.islice(training_tasks(settings, start=17), 23)) == whole[17:]
+    later = list(itertools.islice(arithmetic_stream(settings.task, 3, start=EPOCH - 2), 4))
+    assert [t.id for t in later] == [f"t0-{EPOCH - 2}", f"t0-{EPOCH - 1}", "t1-0", "t1-1"]
+    rows = tmp_path / "tasks.jsonl"
+    rows.write_text("".join(f'{{"prompt": "p{i}", "answer": "{i}"}}\n' for i in range(5)))
+    js = build_settings({}, ["task.name=jsonl", f"task.path={str(rows)!r}", "task.eval_size=1"])
+    cycled = list(itertools.islice(training_tasks(js), 12))
+    assert list(itertools.islice(training_tasks(js, start=6), 6)) == cycled[6:]

@@ -8,6 +8,7 @@ recomputation must agree (mismatch_kl ~ 0).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import subprocess
@@ -20,10 +21,16 @@ import pytest
 import torch
 
 from areal_aio import wire
+from areal_aio.safetensors_io import load_weights
 from areal_aio.settings import build_settings
-from areal_aio.weight_store import load_weights
+from workers.microbatch import (
+    build_micro_batch,
+    build_packed_micro_batch,
+    group_row_length,
+    prompt_groups,
+)
 from workers.models import TINY, encode_prompt, load_model
-from workers.trainer import Trainer, build_micro_batch, build_shared_micro_batch, prompt_groups
+from workers.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 3
@@ -184,7 +191,7 @@ def test_shared_prompt_forward_equals_the_unshared_one(tmp_path, batch) -> None:
     plain = build_micro_batch(samples, list(range(len(samples))), adv, trainer.pad_id, "cpu")
     groups = prompt_groups(samples, 0, len(samples))
     assert [len(g) for g in groups] == [GROUP] * len(PROMPTS)
-    shared = build_shared_micro_batch(samples, groups, adv, trainer.pad_id, "cpu")
+    shared = build_packed_micro_batch(samples, groups, adv, trainer.pad_id, "cpu")
     assert shared.shared and shared.index == plain.index and torch.equal(shared.targets, plain.targets)
     grads = []
     for mb in (plain, shared):
@@ -211,6 +218,80 @@ def test_shared_and_unshared_updates_agree(tmp_path, batch) -> None:
     assert a["mismatch_kl"] < MISMATCH_KL_MAX
     for x, y in zip(shared.model.parameters(), plain.model.parameters(), strict=True):
         assert torch.allclose(x, y, atol=1e-6)
+
+
+PACKED_REPLY_LENGTHS = ([7, 25, 8, 24, 1, 64, 8, 8], [48, 8, 30, 64, 23, 48, 14, 8],
+                        [64, 22, 3, 27, 37, 64, 2, 20], [1, 5, 64, 2])
+"""Replies of a default run's groups (bench/train_step.py MIXED_REPLY_TOKENS), with 1-token and
+max-length (64) replies, and a smaller group."""
+
+
+GRAD_REL_TOL = 1e-5
+"""Packed vs per-sequence gradients, relative to each tensor's largest entry: the sums run in
+another order (~4e-7 measured on tiny-random); a completion seeing another is off by O(1)."""
+
+
+def mixed_samples(vocab: int, seed: int = 0) -> list[wire.TrainSample]:
+    """Groups of PACKED_REPLY_LENGTHS with prompts of different lengths and random tokens."""
+    rng = torch.Generator().manual_seed(seed)
+    out = []
+    for g, lengths in enumerate(PACKED_REPLY_LENGTHS):
+        prompt = torch.randint(vocab, (9 + 4 * g,), generator=rng).tolist()
+        for n in lengths:
+            out.append(wire.TrainSample(prompt, torch.randint(vocab, (n,), generator=rng).tolist(),
+                                        [-1.0] * n, [0] * n, 0.0, g))
+    return out
+
+
+def per_sequence_logp(model: Any, s: wire.TrainSample) -> torch.Tensor:
+    """log pi(token) [C] of one sample run alone, the model's own causal forward and full logits."""
+    ids = torch.tensor([s.prompt_ids + s.completion_ids])
+    logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float() / TEMPERATURE
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize(("attention", "fast"), [("sdpa", True), ("eager", True), ("sdpa", False)])
+def test_packed_forward_equals_the_per_sequence_forward(tmp_path, one_thread, attention, fast) -> None:
+    """Log-probs and gradients of the packed micro-batches (several groups, several micro-batches,
+    replies of 1 to 64 tokens) are those of each sample run alone, through the chunked head and the
+    model's own; a mask that lets a completion see another one is caught."""
+    trainer = make_trainer(tmp_path)
+    trainer.model.set_attn_implementation(attention)
+    assert trainer.share_prompts and trainer.model.config._attn_implementation == attention
+    samples = mixed_samples(trainer.model.config.vocab_size)
+    weight = torch.randn(sum(len(s.completion_ids) for s in samples),
+                         generator=torch.Generator().manual_seed(1))  # a loss that touches every token
+
+    trainer.model.zero_grad(set_to_none=True)
+    ref = torch.cat([per_sequence_logp(trainer.model, s) for s in samples])
+    (ref * weight).sum().backward()
+    ref_grads = [p.grad.clone() for p in trainer.params]
+
+    rows = [group_row_length(samples, g) for g in prompt_groups(samples, 0, len(samples))]
+    trainer.cfg = dataclasses.replace(trainer.cfg, micro_tokens=2 * max(rows))  # room for two rows, not four
+    mbs = trainer._micro_batches(samples, 0, len(samples), torch.zeros(len(samples)))
+    assert len(mbs) > 1 and any(mb.input_ids.shape[0] > 1 for mb in mbs)
+    assert all(mb.shared and mb.computed <= trainer.cfg.micro_tokens for mb in mbs)
+    assert [i for mb in mbs for i in mb.index] == list(range(len(samples)))
+    trainer.model.zero_grad(set_to_none=True)
+    logps, lo = [], 0
+    for mb in mbs:
+        logp, _ = trainer._forward(trainer.model, mb, fast=fast)
+        (logp * weight[lo:lo + mb.tokens]).sum().backward()
+        logps.append(logp.detach())
+        lo += mb.tokens
+    torch.testing.assert_close(torch.cat(logps), ref.detach(), atol=1e-5, rtol=0)
+    for p, g in zip(trainer.params, ref_grads, strict=True):
+        # fp32 sums in another order: off by ~4e-7 of the tensor's largest entry
+        assert float((p.grad - g).abs().max()) <= GRAD_REL_TOL * float(g.abs().max())
+
+    # the same test on a mask where completions also see the completions before them fails
+    mb = mbs[0]
+    leaky = mb.attention_mask | (mb.attention_mask.any(dim=2, keepdim=True)
+                                 & torch.ones_like(mb.attention_mask).tril())  # causal within rows
+    with torch.no_grad():
+        wrong, _ = trainer._forward(trainer.model, dataclasses.replace(mb, attention_mask=leaky))
+    assert not torch.allclose(wrong, logps[0], atol=1e-3)
 
 
 def test_prox_is_the_policy_before_the_update_in_every_mini_batch(tmp_path, batch, monkeypatch) -> None:
@@ -370,3 +451,11 @@ def test_rollout_samples_train_with_zero_mismatch_and_v1_loads_back(workers) -> 
     rollout.send(wire.UpdateWeights(version=reply.version, path=reply.path))
     loaded = rollout.recv()
     assert isinstance(loaded, wire.WeightsLoaded) and loaded.version == 1
+
+
+def test_bf16_auto_follows_the_hardware() -> None:
+    from workers.trainer import bf16_autocast
+
+    assert bf16_autocast("on", "cpu") and not bf16_autocast("off", "cpu")
+    # auto on a CPU: exactly oneDNN's own answer to "are bf16 matmuls native here?"
+    assert bf16_autocast("auto", "cpu") == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -7,14 +7,18 @@ from areal_aio import wire
 
 MESSAGES = [
     wire.Init("rollout", {"run": {"seed": 1}}, "/dev/shm/x"),
+    wire.Init("trainer", {"run": {"seed": 1}}, "/dev/shm/x", resume="runs/r/checkpoints/step-000004/trainer"),
     wire.Ready("trainer", 12, 1.5, "cpu", 0),
     wire.Generate("g1.0", "Calculate 1 + 2.", 64, 0.7, 0.9),
+    wire.Generate("g1.1", "Calculate 1 + 2.", 64, 0.7, 0.9, seed=2**63 - 1),
     wire.Abort("g1.0"),
     wire.UpdateWeights(3, "/dev/shm/x/v3.safetensors"),
     wire.WeightsLoaded(3, 0.05, 7),
     wire.Completion("g1.0", [1, 2], [5, 6, 2], [-0.1, -0.2, -0.3], [2, 3, 3], "3", "stop", 1, 0.4),
     wire.Train(4, 3, [wire.TrainSample([1], [2, 3], [-0.5, -0.25], [3, 3], 1.2, 9)]),
     wire.Trained(4, 4, "/dev/shm/x/v4.safetensors", {"loss": 0.5, "mismatch_kl": None}),
+    wire.Save("model", "runs/r/.model.tmp", weights="/dev/shm/x/v3.safetensors"),
+    wire.Saved("checkpoint", "runs/r/checkpoints/.step-000004.tmp/trainer", 4, 1 << 33, 2.5),
     wire.Shutdown(),
     wire.Error("rollout", "ValueError: x", "Traceback ..."),
 ]
@@ -38,7 +42,7 @@ async def test_round_trip_async_many_frames():
 
 
 def test_completion_versions():
-    c = MESSAGES[6]
+    c = next(m for m in MESSAGES if isinstance(m, wire.Completion))
     assert (c.oldest_version, c.newest_version) == (2, 3)
 
 

@@ -11,23 +11,31 @@ interpreter: spawn, never fork after CUDA) with stdin/stdout as its pipe.
 
 `serve(role, Worker)` reads Init, builds the worker, sends Ready, and hands
 every later message to the worker. Any exception becomes an Error frame with
-the traceback, then exit 1. End of stdin (controller gone) ends the worker.
+the traceback, then exit 1. End of stdin (controller gone) ends the worker, at
+its next look at the pipe (the rollout worker: within a chunk; the trainer: after
+its current step); a controller that died without a Shutdown (kill -9) cannot
+remove its /dev/shm folder, so the worker that finds itself orphaned does.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import shutil
 import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Protocol
 
 from areal_aio import wire
 
 EOF = object()
 """Put on the inbox when the controller's end of the pipe closes."""
+ORPHAN_WAIT_S = 1.0
+"""After an end of pipe without a Shutdown, how long to wait for this process to be reparented:
+a dying controller closes its files before the kernel hands its children to another parent."""
 
 
 class Channel:
@@ -41,15 +49,19 @@ class Channel:
         self._in = os.fdopen(fd_in, "rb", buffering=0)
         self._lock = threading.Lock()
         self.inbox: queue.Queue[Any] = queue.Queue()
+        self.closed_without_shutdown = False  # the pipe ended with no Shutdown before: the controller died?
         self._reader = threading.Thread(target=self._read, name="pipe-reader", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
+        shutdown = False
         try:
             while (msg := wire.read_message(self._in)) is not None:
+                shutdown = shutdown or isinstance(msg, wire.Shutdown)
                 self.inbox.put(msg)
         except Exception as exc:  # noqa: BLE001 - handed to the main thread
             self.inbox.put(exc)
+        self.closed_without_shutdown = not shutdown
         self.inbox.put(EOF)
 
     def recv(self, timeout: float | None = None) -> Any:
@@ -104,7 +116,9 @@ def configure_torch(device: str, threads: int) -> None:
 def serve(role: str, build: Any) -> int:
     """Process main of a worker: Init -> build(init) -> Ready -> worker.run(channel)."""
     t0 = time.perf_counter()
+    parent = os.getppid()
     channel = Channel()
+    init = None
     try:
         init = channel.recv()
         if init is EOF:
@@ -126,3 +140,22 @@ def serve(role: str, build: Any) -> int:
         except OSError:
             pass  # controller already gone
         return 1
+    finally:
+        if isinstance(init, wire.Init) and channel.closed_without_shutdown:
+            remove_orphaned_store(init.shm_dir, parent)
+
+
+def remove_orphaned_store(shm_dir: str, parent: int) -> None:
+    """The run's /dev/shm folder, removed once the controller that owns it is surely gone
+    (this process was reparented) and the folder is its (owner.pid): both workers may try."""
+    deadline = time.monotonic() + ORPHAN_WAIT_S
+    while os.getppid() == parent:
+        if time.monotonic() > deadline:
+            return  # the controller lives: it closed the pipe and removes the folder itself
+        time.sleep(0.01)
+    try:
+        owner = int((Path(shm_dir) / "owner.pid").read_text().strip())
+    except (OSError, ValueError):
+        return
+    if owner == parent:
+        shutil.rmtree(shm_dir, ignore_errors=True)

@@ -29,7 +29,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from areal_aio.weight_store import load_weights
+from areal_aio.safetensors_io import load_weights
+from areal_aio.seeds import derive, uniform
 from areal_aio.wire import Completion, WeightsLoaded
 
 GREEDY_BELOW = 1e-5
@@ -56,6 +57,7 @@ class Request:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    seed: int | None = None  # sampling seed (areal_aio.seeds); None: the engine assigns one
 
 
 @dataclass(slots=True)
@@ -215,7 +217,8 @@ class Engine:
         self.admitting = True  # False while draining for a non-interrupting weight update
         self.waiting: deque[_Seq] = deque()
         self.batch = _Batch()
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.seed = seed
+        self._added = 0  # requests added: the default seed of a request that brings none
         self.eos = _eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.prefixes: OrderedDict[tuple[int, ...], _Prefix] = OrderedDict()  # prompt -> prefill
@@ -232,7 +235,14 @@ class Engine:
         return bool(self.batch.seqs) or (self.admitting and bool(self.waiting))
 
     def add(self, req: Request) -> None:
-        """Queue a request; it gets a slot at the next step with one free."""
+        """Queue a request; it gets a slot at the next step with one free.
+
+        A request without a seed gets one from (engine seed, how many were added before it):
+        reproducible for one engine fed in one order; the controller sends its own seeds so
+        that draws do not depend on the order either."""
+        if req.seed is None:
+            req.seed = derive(self.seed, self._added)
+        self._added += 1
         self.waiting.append(_Seq(req, time.perf_counter()))
 
     def abort(self, request_id: str) -> Completion | None:
@@ -385,7 +395,9 @@ class Engine:
         """(token [B], its log-prob [B] under the distribution it was drawn from).
 
         Greedy rows: argmax, log-prob under the plain softmax. Sampled rows: softmax of
-        logits / temperature, restricted to the top-p nucleus and renormalized.
+        logits / temperature, restricted to the top-p nucleus and renormalized, drawn with the
+        row's own uniform for this token (seeds.uniform(seed, completion length)): the same
+        token whatever other rows share the step.
         """
         temps = [s.req.temperature for s in seqs]
         greedy = [t < GREEDY_BELOW for t in temps]
@@ -399,7 +411,9 @@ class Engine:
         logp = torch.log_softmax(logits / scale[:, None], dim=-1)
         if any(p < 1.0 for p in top_ps):
             logp = _top_p(logp, torch.tensor(top_ps, device=logits.device))
-        token = _draw(logp, self.generator)
+        u = torch.tensor([uniform(s.req.seed, len(s.completion)) for s in seqs],
+                         dtype=torch.float32).to(logits.device, non_blocking=True)
+        token = _draw(logp, u)
         if any(greedy):
             token = torch.where(torch.tensor(greedy, device=logits.device), logp.argmax(-1), token)
         return token, logp.gather(1, token[:, None])[:, 0]
@@ -462,16 +476,16 @@ def _tail_buckets(seqs: list[_Seq]) -> list[list[_Seq]]:
     return groups[::-1]
 
 
-def _draw(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row from softmax(logp) by inverting the CDF.
+def _draw(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row from softmax(logp) [B, V] by inverting the CDF at u [B] in [0, 1).
 
     ~10x cheaper on CPU than torch.multinomial or Gumbel-max over a 49k vocabulary (one cumsum
     instead of one random number per entry). `right=True` lands on the first index whose CDF
     exceeds u, so a token of probability 0 (cut by top-p) is never drawn.
     """
     cdf = logp.exp().cumsum(-1)
-    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+    x = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, x, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
 
 
 def _top_p(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -21,11 +21,10 @@ from typing import Any
 
 import torch
 
+from areal_aio.settings import ADVANTAGES, CAP_MODES, OBJECTIVES
+
 ADV_EPS = 1e-6
 """Added to the std before dividing: a group whose rewards are all equal gets advantage 0, not NaN."""
-OBJECTIVES = ("pg", "ppo", "decoupled_ppo")
-ADVANTAGES = ("grpo", "drgrpo", "batch")
-CAP_MODES = ("mask", "clamp")
 
 
 def advantages(rewards: torch.Tensor, groups: torch.Tensor, kind: str = "grpo",

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from areal_aio import wire
+from areal_aio.settings import Settings
 from workers.common import EOF, Channel, configure_torch, serve
 from workers.engine import Engine, Request
 from workers.models import encode_prompt, load_model
@@ -35,18 +36,17 @@ class RolloutWorker:
     """Owns the model and the Engine; `run` is the message loop."""
 
     def __init__(self, init: wire.Init) -> None:
-        s = init.settings
-        ro = s["rollout"]
-        self.device = ro["device"]
+        s = Settings.from_dict(init.settings)
+        ro = s.rollout
+        self.device = ro.device
         self.version = 0
-        self.interrupt = bool(ro["interrupt"])
-        self.chunk_tokens = int(ro["chunk_tokens"])
-        self.system_prompt = s["model"].get("system_prompt", "")
-        configure_torch(self.device, int(ro["threads"]))
-        model, self.tokenizer = load_model(s["model"]["path"], seed=int(s["run"]["seed"]),
-                                           dtype=ro["dtype"], device=self.device)
-        self.engine = Engine(model, self.tokenizer, max_batch=int(ro["max_batch"]),
-                             seed=int(s["run"]["seed"]))
+        self.interrupt = ro.interrupt
+        self.chunk_tokens = ro.chunk_tokens
+        self.system_prompt = s.model.system_prompt
+        configure_torch(self.device, ro.threads)
+        model, self.tokenizer = load_model(s.model.path, seed=s.run.seed, dtype=ro.dtype,
+                                           device=self.device)
+        self.engine = Engine(model, self.tokenizer, max_batch=ro.max_batch, seed=s.run.seed)
         self.pending: wire.UpdateWeights | None = None
 
     def run(self, channel: Channel) -> None:
@@ -71,7 +71,7 @@ class RolloutWorker:
             case wire.Generate():
                 ids = encode_prompt(self.tokenizer, msg.prompt, self.system_prompt)
                 self.engine.add(Request(msg.request_id, ids, msg.max_new_tokens,
-                                        msg.temperature, msg.top_p))
+                                        msg.temperature, msg.top_p, msg.seed))
             case wire.Abort():
                 done = self.engine.abort(msg.request_id)
                 if done is not None:

@@ -1,0 +1,111 @@
+"""Held-out evaluation: one protocol, used inside a run and by `python -m areal_aio eval`.
+
+    eval set (tasks.eval_tasks: the held-out prompts of the run's task settings)
+      -> one greedy Generate per prompt (temperature 0, rollout.max_new_tokens, same engine)
+      -> the run's scorer (AnswerReward with task.format_bonus by default)
+      -> pass rate, strict rate (tagged and correct), mean reward
+
+Inside a run the controller sends the requests and routes the answers (its rollout reader
+owns the pipe); `evaluate_model` starts a rollout worker of its own, so any HF folder, embedded
+spec or run folder is scored exactly as the run scored its versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from areal_aio import wire
+from areal_aio.rewards import AnswerReward, Score, Scorer
+from areal_aio.settings import Settings, load_settings, resolved_settings
+from areal_aio.tasks import Task, eval_tasks
+
+
+def requests(eval_set: list[Task], step: int, settings: Settings) -> list[wire.Generate]:
+    """The greedy requests of the eval at `step` (ids eval<step>.<i>)."""
+    r = settings.rollout
+    return [wire.Generate(f"eval{step}.{i}", task.prompt, r.max_new_tokens, 0.0, 1.0)
+            for i, task in enumerate(eval_set)]
+
+
+async def score(scorer: Scorer, eval_set: list[Task], completions: list[wire.Completion]) -> list[Score]:
+    return list(await asyncio.gather(*(scorer.score(t, c.text)
+                                       for t, c in zip(eval_set, completions, strict=True))))
+
+
+def rates(scores: list[Score]) -> dict[str, float]:
+    n = len(scores)
+    return {"pass_rate": sum(s.passed for s in scores) / n, "strict_rate": sum(s.strict for s in scores) / n,
+            "reward_mean": sum(s.reward for s in scores) / n}
+
+
+def sample_rows(step: int, eval_set: list[Task], completions: list[wire.Completion],
+                scores: list[Score]) -> list[dict[str, Any]]:
+    """One samples.jsonl row per prompt (kind "eval")."""
+    return [{"kind": "eval", "step": step, "task_id": task.id, "prompt": task.prompt, "answer": task.answer,
+             "reply": c.text, "reward": s.reward, "pass": s.passed, "strict": s.strict,
+             "tokens": len(c.completion_ids)}
+            for task, c, s in zip(eval_set, completions, scores, strict=True)]
+
+
+# ---------------------------------------------------------------- the eval command
+
+
+def model_settings(model: str, settings_path: str | None, overrides: list[str]) -> tuple[Settings, str, Path]:
+    """(settings, model.path, folder for eval.json) for `eval MODEL`.
+
+    A run folder (it has settings.toml and model/) is scored with its own settings unless a
+    settings file is given, and eval.json goes into it; anything else is a model spec."""
+    folder = Path(model)
+    if (folder / "settings.toml").is_file() and (folder / "model" / "config.json").is_file():
+        spec = str(folder / "model")
+        if settings_path is None:
+            import tomllib
+
+            tree = tomllib.loads((folder / "settings.toml").read_text())
+            return resolved_settings(tree, [*overrides, f"model.path={_quoted(spec)}"]), spec, folder
+        out = folder
+    else:
+        spec, out = model, Path(".")
+    return load_settings(settings_path, [*overrides, f"model.path={_quoted(spec)}"]), spec, out
+
+
+def _quoted(text: str) -> str:
+    return orjson.dumps(text).decode()
+
+
+async def evaluate_model(settings: Settings, out_file: Path) -> dict[str, Any]:
+    """Score settings.model.path on the held-out set with the in-run protocol; write `out_file`."""
+    from areal_aio.client import PipeWorker, ensure_model
+
+    eval_set = eval_tasks(settings)
+    scorer = Scorer(AnswerReward(settings.task.format_bonus), timeout_s=settings.controller.reward_timeout_s,
+                    procs=0)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    worker = PipeWorker("rollout", out_file.with_name("eval-rollout.log"), settings.rollout.threads)
+    t0 = time.perf_counter()
+    try:
+        await ensure_model(settings.model.path)
+        await worker.start(wire.Init("rollout", settings.to_dict(), ""))
+        await worker.send_many(requests(eval_set, 0, settings))
+        answers: dict[str, wire.Completion] = {}
+        while len(answers) < len(eval_set):
+            msg = await worker.recv()
+            if not isinstance(msg, wire.Completion):
+                raise worker.failure(msg)
+            answers[msg.request_id] = msg
+        completions = [answers[f"eval0.{i}"] for i in range(len(eval_set))]
+        scores = await score(scorer, eval_set, completions)
+    finally:
+        await worker.stop()
+        await scorer.aclose()
+    result = {"model": settings.model.path, **rates(scores), "n": len(eval_set),
+              "eval_seed": settings.task.eval_seed, "max_new_tokens": settings.rollout.max_new_tokens,
+              "seconds": round(time.perf_counter() - t0, 3),
+              "samples": sample_rows(0, eval_set, completions, scores)}
+    out_file.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    return result

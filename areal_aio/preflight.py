@@ -1,0 +1,167 @@
+"""Pre-flight: what a run needs from the files and the machine, checked before anything starts.
+
+`check` and `run` both call `preflight`; a problem is one line naming the key (or
+`--out`) and the cause, exit code 2, instead of a traceback seconds or minutes into
+the run. Checked:
+
+    task.path        jsonl: the file exists, is readable UTF-8, and every row is a task
+                     (a bad row is named as file:line)
+    run folder       --out (or run.out_dir): not a file, and creatable/writable
+    model.path       embedded:NAME is a known name; a path that looks local
+                     (/, ./, ~, two or more /) is an existing HF folder with a config.json;
+                     a hub id (name or org/name) is in the local HF cache, or else the hub
+                     answers within HUB_PROBE_TIMEOUT_S (never with HF_HUB_OFFLINE set);
+                     a name that is both an existing folder and hub-shaped is the folder
+    *.device         cuda or cuda:N: torch in a subprocess (this process never imports
+                     torch) sees that device
+
+Numbers (finite, in range) are checked earlier, by settings validation.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from areal_aio.settings import Settings, SettingsError
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+"""A Hugging Face hub id: name or org/name. Anything else is a local path."""
+HUB_PROBE_TIMEOUT_S = 5.0
+"""One HEAD request to the hub: long enough for a slow link, short enough that a machine with
+no network learns it at once (transformers itself retries for about a minute)."""
+CUDA_PROBE_TIMEOUT_S = 120.0
+"""Importing torch in a fresh interpreter takes seconds, more on a loaded machine."""
+TRUE = ("1", "true", "yes", "on")
+CUDA_PROBE = ("import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0, "
+              "torch.__version__, torch.version.cuda)")
+
+
+class PreflightError(SettingsError):
+    """An input the run cannot use (a file, a folder, a model, a device); names the key."""
+
+
+def preflight(settings: Settings, out: str | Path | None = None) -> None:
+    """Raise PreflightError naming the first unusable input; `out` is `run --out`, if given."""
+    check_tasks(settings)
+    check_out(Path(out) if out is not None else Path(settings.run.out_dir),
+              "--out" if out is not None else "run.out_dir")
+    check_model(settings.model.path)
+    check_devices(settings)
+
+
+def check_tasks(settings: Settings) -> None:
+    if settings.task.name != "jsonl":
+        return
+    from areal_aio.tasks import read_jsonl
+
+    path = settings.task.path
+    try:
+        read_jsonl(path)
+    except FileNotFoundError:
+        raise PreflightError(f"task.path: no such file {path!r}") from None
+    except IsADirectoryError:
+        raise PreflightError(f"task.path: {path!r} is a folder, not a JSONL file") from None
+    except OSError as exc:
+        raise PreflightError(f"task.path: cannot read {path!r} ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise PreflightError(f"task.path: {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except ValueError as exc:
+        raise PreflightError(f"task.path: {exc}") from None
+
+
+def check_out(folder: Path, key: str) -> None:
+    """The run folder (or the parent of run folders) is a folder, or can be made one, and takes
+    files: a probe file is created and removed in the nearest folder that exists (permission
+    bits alone do not say, e.g. for root or a read-only mount)."""
+    if folder.exists() and not folder.is_dir():
+        raise PreflightError(f"{key}: {str(folder)!r} is a file, not a folder")
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise PreflightError(f"{key}: {str(folder)!r} cannot be made: {str(existing)!r} is a file")
+    try:
+        with tempfile.TemporaryFile(dir=existing, prefix=".areal_aio-probe-"):
+            pass
+    except OSError as exc:
+        raise PreflightError(f"{key}: cannot write in {str(existing)!r} ({exc.strerror or exc})") from None
+
+
+def check_model(spec: str) -> None:
+    from workers.models import EMBEDDED
+
+    if spec.startswith("embedded:"):
+        if spec not in EMBEDDED:
+            raise PreflightError(f"model.path: unknown embedded model {spec!r}; known: {', '.join(EMBEDDED)}")
+        return
+    path = Path(spec)  # as the workers read it: "~" is not expanded
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise PreflightError(f"model.path: {spec!r} has no config.json: not a Hugging Face model folder")
+        return
+    if path.exists():
+        raise PreflightError(f"model.path: {spec!r} is a file; give the model's folder")
+    if not HUB_ID.fullmatch(spec):
+        hint = "; '~' is not expanded, give the full path" if spec.startswith("~") else ""
+        raise PreflightError(f"model.path: no such folder {spec!r} (and not a hub id: those are "
+                             f"name or org/name){hint}")
+    check_hub_model(spec)
+
+
+def check_hub_model(repo: str) -> None:
+    """A hub id: in the local HF cache, or else the hub says it exists, within seconds."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo, "config.json"), str):
+        return
+    local = f"{repo!r} is not a folder here and not in the local Hugging Face cache"
+    if any(os.environ.get(v, "").lower() in TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        raise PreflightError(f"model.path: {local}, and HF_HUB_OFFLINE is set")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    request = urllib.request.Request(f"{endpoint}/api/models/{repo}", method="HEAD")
+    if os.environ.get("HF_TOKEN"):
+        request.add_header("Authorization", f"Bearer {os.environ['HF_TOKEN']}")
+    try:
+        urllib.request.urlopen(request, timeout=HUB_PROBE_TIMEOUT_S).close()
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403, 404):
+            raise PreflightError(f"model.path: {local}, and {endpoint} has no model {repo!r} "
+                                 f"(HTTP {exc.code}; a gated or private one needs HF_TOKEN)") from None
+        raise PreflightError(f"model.path: {local}, and {endpoint} answered HTTP {exc.code}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise PreflightError(f"model.path: {local}, and {endpoint} is not reachable ({reason}); "
+                             f"give a local folder or an embedded: model") from None
+
+
+def check_devices(settings: Settings) -> None:
+    """cuda devices exist; probed in a subprocess only when one is asked for."""
+    wanted = [(key, dev) for key, dev in (("rollout.device", settings.rollout.device),
+                                          ("trainer.device", settings.trainer.device))
+              if dev.startswith("cuda")]
+    if not wanted:
+        return
+    try:
+        done = subprocess.run([sys.executable, "-c", CUDA_PROBE], capture_output=True, text=True,
+                              timeout=CUDA_PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise PreflightError(f"{wanted[0][0]}: importing torch to look for CUDA took over "
+                             f"{CUDA_PROBE_TIMEOUT_S:.0f}s") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PreflightError(f"{wanted[0][0]}: {wanted[0][1]!r} asked for, but torch cannot be "
+                             f"imported to look for CUDA ({last})")
+    count, version, cuda = done.stdout.split()
+    for key, dev in wanted:
+        index = int(dev.partition(":")[2] or 0)
+        if index >= int(count):
+            built = f"built for CUDA {cuda}" if cuda != "None" else "built without CUDA"
+            seen = f"{count} CUDA device{'s' if count != '1' else ''}"
+            raise PreflightError(f"{key}: {dev!r} asked for, but torch {version} ({built}) sees {seen}")

@@ -1,0 +1,130 @@
+"""Pre-flight: every unusable input is one line at `check` time, exit code 2, naming the key."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_aio.cli import main, one_line, write_error_log
+from areal_aio.client import WorkerFailed
+from areal_aio.preflight import PreflightError, check_devices, check_model
+from areal_aio.reward_pool import RewardPoolBroken
+from areal_aio.settings import build_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = str(ROOT / "settings.toml")
+
+
+def check(*sets: str) -> list[str]:
+    return ["check", SETTINGS, *[arg for kv in sets for arg in ("--set", kv)]]
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    import huggingface_hub.constants
+
+    # an empty cache (read from the constant at each call; HF_HOME only at import)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # no hub: refused at once, nothing leaves
+    Path("good.jsonl").write_text('{"prompt": "1 + 1?", "answer": 2}\n')
+    Path("bad.jsonl").write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": 2}\nnot json\n')
+    Path("null.jsonl").write_text('{"prompt": null, "answer": "1"}\n')
+    Path("list.jsonl").write_text('[1, 2]\n')
+    Path("empty.jsonl").write_text("\n\n")
+    Path("latin1.jsonl").write_bytes('{"prompt": "caf\xe9", "answer": "1"}\n'.encode("latin-1"))
+    Path("afile").write_text("x")
+    (tmp_path / "folder").mkdir()
+    return tmp_path
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["task.name=jsonl", "task.path=missing.jsonl"], "task.path: no such file 'missing.jsonl'"),
+    (["task.name=jsonl", "task.path=empty.jsonl"], "task.path: empty.jsonl: no tasks"),
+    (["task.name=jsonl", "task.path=bad.jsonl"], "task.path: bad.jsonl:3: not valid JSON"),
+    (["task.name=jsonl", "task.path=null.jsonl"], "task.path: null.jsonl:1: prompt is None"),
+    (["task.name=jsonl", "task.path=list.jsonl"], "task.path: list.jsonl:1: a list, not an object"),
+    (["task.name=jsonl", "task.path=latin1.jsonl"], "task.path: 'latin1.jsonl' is not UTF-8 text"),
+    (["task.name=jsonl", "task.path=folder"], "task.path: 'folder' is a folder"),
+    (["run.out_dir=afile"], "run.out_dir: 'afile' is a file, not a folder"),
+    (["run.out_dir=afile/runs"], "run.out_dir: 'afile/runs' cannot be made: 'afile' is a file"),
+    (["model.path=embedded:smollm3"], "model.path: unknown embedded model 'embedded:smollm3'"),
+    (["model.path=./no/such/folder"], "model.path: no such folder './no/such/folder'"),
+    (["model.path=/no/such/folder"], "model.path: no such folder '/no/such/folder'"),
+    (["model.path=folder"], "model.path: 'folder' has no config.json"),
+    (["model.path=afile"], "model.path: 'afile' is a file"),
+    (["model.path=org/model"], "model.path: 'org/model' is not a folder here and not in the local "
+                               "Hugging Face cache, and http://127.0.0.1:9 is not reachable"),
+    (["trainer.lr=inf"], "trainer.lr: expected a finite number (> 0), got inf"),
+    (["trainer.lr=nan"], "trainer.lr: expected a finite number (> 0), got nan"),
+    (["run.max_wall_s=inf"], "run.max_wall_s: expected a finite number"),
+    (["trainer.grad_clip=-inf"], "trainer.grad_clip: expected a finite number"),
+])
+def test_check_rejects_an_unusable_input_in_one_line(files, capsys, sets, needle):
+    assert main(check(*sets)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"settings error: {needle}"), err
+    assert err.count("\n") == 1, err
+
+
+def test_run_checks_its_out_folder_before_starting(files, capsys):
+    assert main(["run", SETTINGS, "--out", "afile"]) == 2
+    assert capsys.readouterr().err == "settings error: --out: 'afile' is a file, not a folder\n"
+    assert main(["run", SETTINGS, "--out", "afile/run"]) == 2
+
+
+def test_good_inputs_pass(files, capsys):
+    Path("folder/config.json").write_text("{}")
+    assert main(check("task.name=jsonl", "task.path=good.jsonl", "model.path=folder",
+                      "run.out_dir=new/runs")) == 0
+    assert not Path("new").exists()  # check creates nothing
+
+
+def test_a_hub_id_fails_fast_without_a_hub(files, monkeypatch):
+    t0 = time.perf_counter()
+    with pytest.raises(PreflightError, match="not reachable"):
+        check_model("HuggingFaceTB/SmolLM2-135M")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_ENDPOINT", "http://192.0.2.1")  # never asked: offline means offline
+    with pytest.raises(PreflightError, match="HF_HUB_OFFLINE is set"):
+        check_model("HuggingFaceTB/SmolLM2-135M")
+    assert time.perf_counter() - t0 < 5
+
+
+def test_a_cached_hub_id_passes_offline(files, monkeypatch):
+    snapshot = files / "hf" / "hub" / "models--org--tiny" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    check_model("org/tiny")
+
+
+def test_cuda_asked_for_where_torch_sees_none():
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(PreflightError, match=r"trainer.device: 'cuda:0' asked for, but torch .* sees 0 CUDA devices"):
+        check_devices(build_settings({}, ["trainer.device=cuda:0"]))
+    check_devices(build_settings({}))  # cpu: no probe, no error
+
+
+def test_a_failed_run_is_one_line_and_its_traceback_goes_to_the_folder(tmp_path):
+    try:
+        raise WorkerFailed("trainer", "exited with code -9", "Traceback (most recent call last):\n  ...")
+    except WorkerFailed as exc:
+        group = ExceptionGroup("unhandled errors in a TaskGroup", [exc])
+    assert one_line(group) == "trainer worker failed: exited with code -9"
+    assert one_line(RewardPoolBroken("reward pool broke 3 times\nmore")) == \
+        "RewardPoolBroken: reward pool broke 3 times"
+    assert one_line(ValueError()) == "ValueError"
+    where = write_error_log(group, tmp_path / "run")
+    assert where == f"see {tmp_path / 'run' / 'error.log'}"
+    log = (tmp_path / "run" / "error.log").read_text()
+    assert "WorkerFailed" in log and "exited with code -9" in log and "Traceback" in log
+    assert "could not be written" in write_error_log(group, tmp_path / "run" / "error.log")

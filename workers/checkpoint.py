@@ -1,0 +1,113 @@
+"""The trainer's side of keeping a run: its checkpoint part, and the policy as a plain HF folder.
+
+    <checkpoint>/trainer/               (written by `save_state`, read by `load_state`)
+        v<N>.safetensors                fp32 policy, tied weights once (the weight-store writer:
+                                        streamed from the parameters, no copy of the model)
+        optimizer.pt                    AdamW state_dict (moments, step counts)
+        rng.pt                          torch CPU (and CUDA) generator states
+        state.json                      {"version": N}
+
+    <run>/model/ or best/               (written by `export_model`)
+        config.json, generation_config.json, model.safetensors,
+        tokenizer files with the chat template
+
+Everything is fsynced before the reply, so the controller's rename of the checkpoint folder
+publishes files that are on disk. The live model is exported in place (save_pretrained reads
+the parameters; no second copy of the model is made); an older version is exported from its
+weight-store file by rewriting the file's header and streaming the tensor bytes, so that needs
+no memory either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from areal_aio import wire
+from areal_aio.safetensors_io import copy_as_hf_weights, load_weights
+from areal_aio.weight_store import WeightStore
+
+
+def fsync_tree(folder: Path) -> int:
+    """fsync every file under `folder` and the folders themselves; returns the bytes in it."""
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            total += os.path.getsize(path)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return total
+
+
+def save_state(trainer: Any, folder: Path) -> None:
+    """The trainer's checkpoint part: policy (fp32), optimizer, RNG, version."""
+    folder.mkdir(parents=True, exist_ok=True)
+    WeightStore(folder).publish(trainer.model, trainer.version)  # dtype None: fp32 as trained
+    torch.save(trainer.opt.state_dict(), folder / "optimizer.pt")
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.device(trainer.device).type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(rng, folder / "rng.pt")
+    (folder / "state.json").write_text(json.dumps({"version": trainer.version}))
+
+
+def load_state(trainer: Any, folder: Path) -> None:
+    """Continue from `save_state`'s folder: weights into the live model in place, optimizer, RNG."""
+    state = json.loads((folder / "state.json").read_text())
+    version = int(state["version"])
+    load_weights(trainer.model, folder / f"v{version}.safetensors")
+    opt_state = torch.load(folder / "optimizer.pt", map_location=trainer.device, weights_only=True)
+    trainer.opt.load_state_dict(opt_state)
+    rng = torch.load(folder / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    trainer.version = version
+
+
+def export_model(model: Any, tokenizer: Any, folder: Path, weights: str | Path = "") -> None:
+    """`model` as a plain HF folder; with `weights`, that weight-store file's tensors instead."""
+    folder.mkdir(parents=True, exist_ok=True)
+    use_cache = model.config.use_cache
+    model.config.use_cache = True  # the trainer turns the KV cache off; generation wants it
+    try:
+        if weights:
+            model.config.save_pretrained(folder)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(folder)
+            copy_as_hf_weights(Path(weights), folder / "model.safetensors")
+        else:
+            model.save_pretrained(folder, safe_serialization=True)
+    finally:
+        model.config.use_cache = use_cache
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)  # with its chat template
+
+
+def save(trainer: Any, msg: wire.Save) -> wire.Saved:
+    """Answer one Save: write, fsync, report the size."""
+    t0 = time.perf_counter()
+    folder = Path(msg.path)
+    if msg.kind == "checkpoint":
+        save_state(trainer, folder)
+    elif msg.kind == "model":
+        export_model(trainer.model, trainer.tokenizer, folder, msg.weights)
+    else:
+        raise wire.WireError(f"trainer: Save of unknown kind {msg.kind!r}")
+    size = fsync_tree(folder)
+    return wire.Saved(kind=msg.kind, path=str(folder), version=trainer.version, bytes=size,
+                      seconds=time.perf_counter() - t0)
