@@ -340,7 +340,7 @@ class Orchestrator:
         self.summary = self._summarize(failure or error)
         if self.log is not None:
             self.log.events.info("run_end", error=None if error is None else type(error).__name__)
-            self.log.flush_now()
+            await self.log.settle()
             self.log.write_summary(self.summary)
         for queue in self._subscribers:
             _put_latest(queue, None)
@@ -655,6 +655,7 @@ class Orchestrator:
         saved = await (request or self._save)("checkpoint", tmp / "trainer")
         if saved.version != self.version:
             raise WorkerFailed("trainer", f"saved version {saved.version} for a checkpoint of {self.version}")
+        await self.log.settle()  # the rows the checkpoint counts are on disk before it exists
         path, size = await asyncio.to_thread(checkpoint.commit, self.folder, tmp, state,
                                              self.settings.run.keep_checkpoints)
         self.log.events.info("checkpoint", step=self.step, version=self.version, path=str(path),
@@ -733,9 +734,8 @@ class Orchestrator:
                 raise _failure(self.trainer, msg)
 
     def _state(self) -> dict[str, Any]:
-        """Everything resuming needs, at one instant after a commit (rows flushed first, so the
-        row files' sizes mark where a resume cuts them back to)."""
-        self.log.flush_now()
+        """Everything resuming needs, at one instant after a commit (the row files' sizes, counting
+        rows not yet written, mark where a resume cuts them back to)."""
         open_groups = {gid: g.task for gid, g in self._groups.items() if not g.dropped}
         open_groups.update({g.group_id: g.task for g in self.replay.groups()})
         c = self.counts

@@ -17,12 +17,17 @@
         .lock              held by the run using the folder
 
 Rows are buffered in memory and appended by `flush` through aiofiles, so the
-event loop never waits on a disk. A resumed run appends (`append=True`) after
-the controller cut steps/samples back to their size at the checkpoint.
+event loop never waits on a disk. One write is in flight at a time and it is
+shielded: a flush cancelled at the end of a run loses no rows, and `settle`
+waits for it. `sizes` counts every row made so far (written or not), so a
+checkpoint can record where its rows end without writing them first; it
+settles before it commits. A resumed run appends (`append=True`) after the
+controller cut steps/samples back to their size at the checkpoint.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -40,10 +45,12 @@ class RunLog:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "settings.toml").write_text(settings_toml)
         self._rows: dict[str, list[bytes]] = {name: [] for name in STREAMS}
+        self._writing: asyncio.Future | None = None
         for name in STREAMS:
             path = folder / f"{name}.jsonl"
             if not append or not path.exists():
                 path.write_bytes(b"")
+        self._size = {name: (folder / f"{name}.jsonl").stat().st_size for name in STREAMS}
         self.t0 = time.perf_counter()
         # A private structlog logger (no global configuration): events become rows here.
         self.events = structlog.wrap_logger(
@@ -54,26 +61,35 @@ class RunLog:
         return event
 
     def row(self, stream: str, row: dict) -> None:
-        self._rows[stream].append(orjson.dumps(row, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+        data = orjson.dumps(row, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        self._rows[stream].append(data)
+        self._size[stream] += len(data)
+
+    def _take(self) -> dict[str, bytes]:
+        taken = {name: b"".join(rows) for name, rows in self._rows.items() if rows}
+        self._rows = {name: [] for name in STREAMS}
+        return taken
+
+    async def _write(self, taken: dict[str, bytes]) -> None:
+        for name, data in taken.items():
+            async with aiofiles.open(self.folder / f"{name}.jsonl", "ab") as fh:
+                await fh.write(data)
 
     async def flush(self) -> None:
-        for name in STREAMS:
-            rows, self._rows[name] = self._rows[name], []
-            if rows:
-                async with aiofiles.open(self.folder / f"{name}.jsonl", "ab") as fh:
-                    await fh.write(b"".join(rows))
+        """Append the buffered rows; if a write is already in flight, wait for that one instead."""
+        if self._writing is None or self._writing.done():
+            self._writing = asyncio.ensure_future(self._write(self._take()))
+        await asyncio.shield(self._writing)
 
-    def flush_now(self) -> None:
-        """Blocking flush, for the last rows after the loop is done or cancelled."""
-        for name in STREAMS:
-            rows, self._rows[name] = self._rows[name], []
-            if rows:
-                with open(self.folder / f"{name}.jsonl", "ab") as fh:
-                    fh.write(b"".join(rows))
+    async def settle(self) -> None:
+        """Every row made so far is on disk when this returns."""
+        while (self._writing is not None and not self._writing.done()) or any(self._rows.values()):
+            await self.flush()
 
     def sizes(self) -> dict[str, int]:
-        """Bytes in each row file (call after `flush_now`): where a resume cuts them back to."""
-        return {name: (self.folder / f"{name}.jsonl").stat().st_size for name in ("steps", "samples")}
+        """Bytes of each row file once every row made so far is written: where a resume cuts
+        them back to."""
+        return {name: self._size[name] for name in ("steps", "samples")}
 
     def write_summary(self, summary: dict) -> None:
         (self.folder / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
