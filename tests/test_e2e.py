@@ -173,8 +173,9 @@ async def test_learning_raises_held_out_reward(tmp_path):
     Both the sampled training reward (what the objective maximises) and the
     greedy held-out reward must rise. The margins leave room: these settings
     with run.seed 0-5 raised the last five steps' reward over the first five's
-    by 0.12-0.62 and the final eval from 0 to 0.62-1.0 (at lr 3e-3 the training
-    reward did not move, and the greedy eval's rises were noise).
+    by 0.18-0.25 and the final eval from 0 to 0.56-1.0 (at lr 3e-3 the training
+    reward did not move, and the greedy eval's rises were noise). Every step's
+    row must be there: a run that lost its last rows once failed this test.
     """
     prompts = [f"Write something about topic number {i}." for i in range(400)]
     train = [Task(f"t{i}", p, "") for i, p in enumerate(prompts[:300])]
@@ -188,6 +189,7 @@ async def test_learning_raises_held_out_reward(tmp_path):
     curve = [r["reward_mean"] for r in summary["eval_curve"]]
     assert summary["steps"] == 40 and summary["eval_curve"][0]["versions"] == [0, 0]
     trained = [orjson.loads(x)["reward_mean"] for x in (out / "steps.jsonl").read_bytes().splitlines()]
+    assert len(trained) == 40
     assert sum(trained[-5:]) / 5 > sum(trained[:5]) / 5 + 0.05, trained
     assert curve[-1] > curve[0] + 0.3, curve
 
