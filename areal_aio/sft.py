@@ -17,6 +17,9 @@ and strict rates, and why the invalid ones are invalid. When the held-out prompt
 steps (they end in STEP_INSTRUCTION), the base model also answers them with the plain answer
 instruction instead: the pass rate to match without the step format.
 
+The pairs are tokenized in this process (transformers' tokenizer; no model, no device); the
+model lives in the workers only.
+
 The folder (--out, else run.out_dir/<run.name or sft-<time>-<pid>>) gets settings.toml, sft.json
 (rates before and after, data, timings), steps.jsonl (one row per step), samples.jsonl (every
 eval reply with its score), the workers' logs and model/.
