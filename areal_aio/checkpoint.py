@@ -217,6 +217,8 @@ def check_compatible(ckpt: Checkpoint, settings: Settings) -> None:
     """Settings may differ from the checkpoint's only in RESUMABLE keys."""
     saved: dict[str, dict[str, Any]] = ckpt.state["settings"]
     for section, values in settings.to_dict().items():
+        if section == "sft":
+            continue  # read by the sft command only, never by a run
         for key, value in values.items():
             name = f"{section}.{key}"
             old = saved.get(section, {}).get(key)

@@ -1,10 +1,12 @@
-"""Command line: `python -m areal_aio run|check|keys|report`.
+"""Command line: `python -m areal_aio run|eval|sft|check|keys|report`.
 
     run SETTINGS [--set ...] [--out DIR]     train (refuses a folder that holds a run)
     run --resume RUN_DIR [--set ...]         continue a run from its newest checkpoint
     eval MODEL [SETTINGS] [--set ...] [--out FILE]
                                              score an HF folder, embedded spec or run folder
                                              on the held-out set (the in-run protocol)
+    sft SETTINGS [--set ...] [--out DIR]     fine-tune on reference replies (areal_aio/sft.py); writes
+                                             an HF folder (DIR/model) an RL run's model.path takes
     check SETTINGS [--set ...] | keys
     report RUN_DIR [RUN_DIR ...] [--out DIR] plots and report.md of run folders, finished or not
 
@@ -64,6 +66,11 @@ def parser() -> argparse.ArgumentParser:
         if name == "eval":
             cmd.add_argument("--out", default=None,
                              help="eval.json path (default: into the run folder, else ./eval.json)")
+    tune = sub.add_parser("sft", help="fine-tune on reference replies before RL (the [sft] section)")
+    tune.add_argument("settings", help="settings TOML file")
+    tune.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override one key (repeatable)")
+    tune.add_argument("--out", default=None, help="folder (default: run.out_dir/<run.name or sft-<time>-<pid>>)")
     sub.add_parser("keys", help="list every settings key with its default and meaning")
     report = sub.add_parser("report", help="plots and a markdown summary of run folders (finished or not)")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders, overlaid in every plot")
@@ -81,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         from areal_aio.report import main as report
 
         return report(args.runs, args.out)
+    if args.command == "sft":
+        from areal_aio.sft import main as sft
+
+        return sft(args.settings, args.overrides, args.out)
     try:
         if args.command == "eval":
             return _eval(args.model, args.settings, args.overrides, args.out)

@@ -78,30 +78,38 @@ def _quoted(text: str) -> str:
     return orjson.dumps(text).decode()
 
 
-async def evaluate_model(settings: Settings, out_file: Path) -> dict[str, Any]:
-    """Score settings.model.path on the held-out set with the in-run protocol; write `out_file`."""
+async def greedy_completions(settings: Settings, tasks: list[Task], log: Path) -> list[wire.Completion]:
+    """settings.model.path's greedy replies to `tasks` (the eval requests), from a rollout
+    worker of its own (its log: `log`), in the order of `tasks`."""
     from areal_aio.client import PipeWorker, ensure_model
 
-    eval_set = eval_tasks(settings)
-    scorer = Scorer(AnswerReward(settings.task.format_bonus), timeout_s=settings.controller.reward_timeout_s,
-                    procs=0)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    worker = PipeWorker("rollout", out_file.with_name("eval-rollout.log"), settings.rollout.threads)
-    t0 = time.perf_counter()
+    worker = PipeWorker("rollout", log, settings.rollout.threads)
     try:
         await ensure_model(settings.model.path)
         await worker.start(wire.Init("rollout", settings.to_dict(), ""))
-        await worker.send_many(requests(eval_set, 0, settings))
+        await worker.send_many(requests(tasks, 0, settings))
         answers: dict[str, wire.Completion] = {}
-        while len(answers) < len(eval_set):
+        while len(answers) < len(tasks):
             msg = await worker.recv()
             if not isinstance(msg, wire.Completion):
                 raise worker.failure(msg)
             answers[msg.request_id] = msg
-        completions = [answers[f"eval0.{i}"] for i in range(len(eval_set))]
-        scores = await score(scorer, eval_set, completions)
     finally:
         await worker.stop()
+    return [answers[f"eval0.{i}"] for i in range(len(tasks))]
+
+
+async def evaluate_model(settings: Settings, out_file: Path) -> dict[str, Any]:
+    """Score settings.model.path on the held-out set with the in-run protocol; write `out_file`."""
+    eval_set = eval_tasks(settings)
+    scorer = Scorer(AnswerReward(settings.task.format_bonus), timeout_s=settings.controller.reward_timeout_s,
+                    procs=0)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        completions = await greedy_completions(settings, eval_set, out_file.with_name("eval-rollout.log"))
+        scores = await score(scorer, eval_set, completions)
+    finally:
         await scorer.aclose()
     result = {"model": settings.model.path, **rates(scores), "n": len(eval_set),
               "eval_seed": settings.task.eval_seed, "max_new_tokens": settings.rollout.max_new_tokens,

@@ -4,7 +4,9 @@ A task source is any iterable (or async iterable) of `Task`. Built in:
   * arithmetic: reasoning-gym's basic_arithmetic, generated offline from a seed
     (two-term single-digit + and - by default), an endless stream for training
     and a fixed held-out set drawn from `task.eval_seed` for evaluation;
-  * jsonl: a file of {"prompt": ..., "answer": ...} rows (an optional "id").
+  * jsonl: a file of {"prompt": ..., "answer": ...} rows (an optional "id");
+  * chain: multi-step arithmetic with a worked solution per task, in the step-tagged
+    reply format (areal_aio/chain.py).
 """
 
 from __future__ import annotations
@@ -99,13 +101,21 @@ def training_tasks(settings: Settings, start: int = 0) -> Iterator[Task]:
         train = rows[:len(rows) - held_out]
         offset = start % len(train)
         return itertools.cycle(train[offset:] + train[:offset])
+    if settings.task.name == "chain":
+        from areal_aio.chain import chain_stream
+
+        return chain_stream(settings.task, settings.run.seed, start)
     return arithmetic_stream(settings.task, settings.run.seed, start)
 
 
 def eval_tasks(settings: Settings) -> list[Task]:
-    """The held-out eval set: a different seed for arithmetic; the file's last rows for jsonl
+    """The held-out eval set: a different seed for arithmetic and chain; the file's last rows for jsonl
     (held out of training when the file has more rows than task.eval_size)."""
     if settings.task.name == "jsonl":
         rows = read_jsonl(settings.task.path)
         return rows[-settings.task.eval_size:]
+    if settings.task.name == "chain":
+        from areal_aio.chain import chain_eval
+
+        return chain_eval(settings.task)
     return list(_arithmetic(settings.task, settings.task.eval_seed, settings.task.eval_size, "e"))

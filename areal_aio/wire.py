@@ -153,11 +153,13 @@ class TrainSample:
 
 @dataclass(frozen=True, slots=True)
 class Train:
-    """Take one PPO-family update on these samples, then publish v<version+1>."""
+    """Take one PPO-family (or supervised) update on these samples, then publish v<version+1>."""
 
     step: int
     version: int  # the controller's clock: the trainer's weights are this version
     samples: list[TrainSample] = field(default_factory=list)
+    objective: str = ""  # "" = trainer.objective; "sft": the completions' negative log-likelihood
+    publish: bool = True  # False: keep v<version+1> in the trainer only (Trained.path is "")
 
 
 @dataclass(frozen=True, slots=True)

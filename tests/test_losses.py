@@ -133,6 +133,16 @@ def test_decoupled_equals_ppo_when_prox_is_behav() -> None:
     assert dec.tolist() == pytest.approx(ppo.tolist())
 
 
+def test_sft_is_the_negative_log_likelihood_whatever_the_rest() -> None:
+    logp = t(-0.5, -2.0, -0.1).requires_grad_()
+    loss, st = losses.token_loss(logp, t(-9.0, 3.0, 0.0), t(1.0, -4.0, 2.0), t(5.0, -5.0, 0.0), objective="sft")
+    assert loss.tolist() == pytest.approx([0.5, 2.0, 0.1])
+    # summed over tokens and divided by their count (the trainer's aggregation): the mean NLL
+    assert float(loss.detach().sum() / 3) == pytest.approx((0.5 + 2.0 + 0.1) / 3)
+    assert _grad(loss, logp) == [-1.0, -1.0, -1.0]
+    assert st.clipped.tolist() == [False] * 3 and st.ratio.tolist() == [1.0] * 3
+
+
 def test_unknown_objective_and_cap_mode_are_refused() -> None:
     x = t(0.0)
     with pytest.raises(ValueError, match="decoupled_ppo"):

@@ -333,6 +333,37 @@ def test_repeated_updates_raise_the_reward_weighted_logprob(tmp_path, batch, obj
         assert losses[-1] < losses[0]
 
 
+def sft_samples(tok: Any) -> list[wire.TrainSample]:
+    """Three pairs, two with one prompt (they share a packed row), as the sft command builds them."""
+    pairs = [(PROMPTS[0], [5, 6, 7, 2]), (PROMPTS[1], [8, 9, 2]), (PROMPTS[0], [11, 2])]
+    return [wire.TrainSample(encode_prompt(tok, p), c, [0.0] * len(c), [0] * len(c), 0.0, 0) for p, c in pairs]
+
+
+@pytest.mark.parametrize("share", ["on", "off"])
+def test_sft_loss_is_the_mean_completion_nll_at_temperature_one(tmp_path, one_thread, share) -> None:
+    """The loss is worked out by hand from each sequence alone through the model: the log-softmax
+    of its full logits at temperature 1 (the settings' rollout temperature is 0.7), prompt tokens
+    left out, averaged over the completion tokens. Nothing is published."""
+    from workers.trainer import SFT_STATS
+
+    trainer = make_trainer(tmp_path, "trainer.lr=1e-3", f"trainer.share_prompts={share}")
+    samples = sft_samples(trainer.tokenizer)
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for s in samples:
+            logp = torch.log_softmax(trainer.model(torch.tensor([s.prompt_ids + s.completion_ids])).logits[0], -1)
+            for j, token in enumerate(s.completion_ids):  # position P - 1 + j predicts token j
+                nll -= float(logp[len(s.prompt_ids) - 1 + j, token])
+                n += 1
+    reply = trainer.train(wire.Train(0, 0, samples, objective="sft", publish=False))
+    assert reply.stats["loss"] == pytest.approx(nll / n, rel=1e-5)
+    assert set(reply.stats) == set(SFT_STATS) and reply.stats["tokens"] == n == 9
+    assert reply.version == trainer.version == 1 and reply.path == ""
+    assert not list(tmp_path.glob("*.safetensors"))
+    again = trainer.train(wire.Train(1, 1, samples, objective="sft", publish=False))
+    assert again.stats["loss"] < reply.stats["loss"]
+
+
 def test_kl_against_a_frozen_reference_grows_from_zero(tmp_path, batch) -> None:
     trainer = make_trainer(tmp_path, "trainer.kl_coef=0.1", "trainer.kl_ref=ref", "trainer.lr=3e-3")
     first = trainer.train(wire.Train(step=0, version=0, samples=batch)).stats

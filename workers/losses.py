@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from areal_aio.settings import ADVANTAGES, CAP_MODES, OBJECTIVES
+from areal_aio.settings import ADVANTAGES, CAP_MODES, OBJECTIVES, SFT
 
 ADV_EPS = 1e-6
 """Added to the std before dividing: a group whose rewards are all equal gets advantage 0, not NaN."""
@@ -80,14 +80,19 @@ def token_loss(logp: torch.Tensor, behav: torch.Tensor, prox: torch.Tensor, adv:
     decoupled_ppo: -w * min(r A, clip(r, ...) A),  r = pi_theta / pi_prox,
                    w = pi_prox / pi_behav (no grad), tokens with w > behav_cap
                    masked (w = 0) or clamped (w = behav_cap)  (Fu et al. 2025, AReaL)
+    sft:           -logp (behav, prox and adv unused): summed and divided by the tokens, the
+                   token-mean negative log-likelihood of the completions
     """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
+    if objective not in (*OBJECTIVES, SFT):
+        raise ValueError(f"objective {objective!r}; choose one of {', '.join((*OBJECTIVES, SFT))}")
     if cap_mode not in CAP_MODES:
         raise ValueError(f"cap_mode {cap_mode!r}; choose one of {', '.join(CAP_MODES)}")
     high = clip_eps if clip_eps_high is None else clip_eps_high
     behav_w = torch.exp(prox - behav).detach()
     capped = behav_w > behav_cap
+    if objective == SFT:
+        ones, no = torch.ones_like(behav_w), torch.zeros_like(capped)
+        return -logp, TokenStats(ones, no, ones, no)
     if objective == "pg":
         ratio = torch.exp(logp.detach() - behav)
         no_clip = torch.zeros_like(capped)

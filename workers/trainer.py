@@ -44,7 +44,8 @@ pi_behav), capped_frac, grad_norm (mean pre-clip norm over mini-batches), kl
 update's forward ran on, padding included), seqs, seconds, prox_s (the no-grad pi_prox
 pass of mini-batches after the first: 0 with one), publish_s,
 mismatch_kl (k3 KL(behav || prox) over tokens sampled by exactly this version;
-None when there are none), reward_mean, adv_abs_mean.
+None when there are none), reward_mean, adv_abs_mean. A supervised update
+(Train.objective "sft", what `python -m areal_aio sft` sends) reports SFT_STATS only.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from typing import Any
 import torch
 
 from areal_aio import wire
-from areal_aio.settings import Settings, TrainerSettings
+from areal_aio.settings import SFT, Settings, TrainerSettings
 from areal_aio.weight_store import WeightStore
 from workers import checkpoint, losses
 from workers.common import EOF, Channel, configure_torch, serve
@@ -69,6 +70,10 @@ from workers.models import load_model
 HEAD_CHECK_ATOL = 1e-4
 """Chunked head vs the model's own logits at init: fp32 agreement well inside this means the
 model's logits are exactly lm_head(last hidden) (no scaling we do not know about)."""
+
+
+SFT_STATS = ("loss", "entropy", "grad_norm", "tokens", "computed_tokens", "seqs", "seconds", "publish_s")
+"""The stats of a supervised update (loss: the token-mean negative log-likelihood)."""
 
 
 class _Stats:
@@ -174,11 +179,12 @@ class Trainer:
             return nullcontext()
         return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16)
 
-    def _forward(self, model: Any, mb: MicroBatch, fast: bool | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, model: Any, mb: MicroBatch, fast: bool | None = None,
+                 temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(log pi(token) [T] with grad, entropy [T]) at `mb`'s completion tokens, under
-        logits / temperature; call inside `_autocast()`."""
+        logits / temperature (default: the rollout's); call inside `_autocast()`."""
         fast = self._fast_head if fast is None else fast
+        temperature = self.temperature if temperature is None else temperature
         inputs = dict(input_ids=mb.input_ids, attention_mask=self._attention_mask(model, mb),
                       position_ids=mb.position_ids, use_cache=False)
         if fast:
@@ -187,9 +193,9 @@ class Trainer:
             head = model.get_output_embeddings().weight  # [V, H]
             on = torch.is_autocast_enabled(torch.device(self.device).type)
             dtype = torch.bfloat16 if on else None  # autocast does not reach a Function's backward
-            return losses.token_logprobs(hidden, head, mb.targets, self.temperature, dtype)
+            return losses.token_logprobs(hidden, head, mb.targets, temperature, dtype)
         logits = model(**inputs).logits.flatten(0, 1).index_select(0, mb.gather)  # [T, V]
-        logits = logits.float() / self.temperature
+        logits = logits.float() / temperature
         logp = logits.gather(1, mb.targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
         with torch.no_grad():
             return logp, losses.entropy_from_logits(logits)
@@ -236,7 +242,11 @@ class Trainer:
                                   device=self.device)
 
     def train(self, msg: wire.Train) -> wire.Trained:
-        """One PPO-family update on msg.samples, then publish v<version+1> and return Trained."""
+        """One PPO-family update on msg.samples, then publish v<version+1> and return Trained.
+
+        msg.objective "sft" is supervised: the loss is the completions' token-mean negative
+        log-likelihood under the model itself (temperature 1; behaviour log-probs, rewards
+        and the proximal pass play no part), the step as in RL (clip, AdamW)."""
         t0 = time.perf_counter()
         if msg.version != self.version:
             raise ValueError(f"Train step {msg.step}: controller says version {msg.version}, "
@@ -244,6 +254,9 @@ class Trainer:
         samples = msg.samples
         check_samples(samples)
         cfg = self.cfg
+        objective = msg.objective or cfg.objective
+        sft = objective == SFT
+        temperature = 1.0 if sft else self.temperature
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
         adv = losses.advantages(rewards, groups, cfg.advantage)  # [B]
@@ -266,6 +279,8 @@ class Trainer:
         ref: dict[int, torch.Tensor] = {}
         for k, mini in enumerate(plan):
             for mb in mini:
+                if sft:
+                    continue  # no ratio, no KL
                 if k > 0:
                     prox[id(mb)] = self.logprobs(mb)
                 if self.ref is not None:
@@ -283,15 +298,15 @@ class Trainer:
                 if mb.tokens == 0:
                     continue
                 with self._autocast():
-                    logp, entropy = self._forward(self.model, mb)  # [T], [T]
-                if k == 0:  # no step taken yet: this forward is pi_prox
+                    logp, entropy = self._forward(self.model, mb, temperature=temperature)  # [T], [T]
+                if k == 0 or sft:  # no step taken yet: this forward is pi_prox (sft: unused)
                     prox[id(mb)] = logp.detach().float()
                 tok_loss, st = losses.token_loss(
-                    logp, mb.behav, prox[id(mb)], mb.adv, objective=cfg.objective,
+                    logp, mb.behav, prox[id(mb)], mb.adv, objective=objective,
                     clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
                     behav_cap=cfg.behav_cap, cap_mode=cfg.cap_mode)
                 kl = None
-                if cfg.kl_coef > 0:
+                if cfg.kl_coef > 0 and not sft:
                     anchor = ref[id(mb)] if self.ref is not None else mb.behav
                     kl = losses.k3_kl(logp, anchor)
                     tok_loss = tok_loss + cfg.kl_coef * kl
@@ -308,19 +323,21 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
 
         t_pub = time.perf_counter()
-        path = self.store.publish(self.model, self.version + 1, dtype=self.publish_dtype)
+        path = self.store.publish(self.model, self.version + 1, dtype=self.publish_dtype) if msg.publish else ""
         publish_s = time.perf_counter() - t_pub
         self.version += 1
 
-        out = self._summary(samples, plan, prox, stats, adv, rewards)
+        out = self._summary(samples, plan, prox, stats, adv, rewards, objective)
         out.update(seconds=time.perf_counter() - t0, prox_s=prox_s, publish_s=publish_s)
-        if cfg.kl_coef <= 0:
+        if cfg.kl_coef <= 0 or sft:
             out.pop("kl")
+        if sft:  # ratios, weights and rewards mean nothing here
+            out = {key: out[key] for key in SFT_STATS}
         return wire.Trained(step=msg.step, version=self.version, path=str(path), stats=out)
 
     def _summary(self, samples: list[wire.TrainSample], plan: list[list[MicroBatch]],
                  prox: dict[int, torch.Tensor], stats: _Stats, adv: torch.Tensor,
-                 rewards: torch.Tensor) -> dict[str, Any]:
+                 rewards: torch.Tensor, objective: str) -> dict[str, Any]:
         """Plain-number stats of one update (orjson-ready)."""
         cfg = self.cfg
         mbs = [mb for mini in plan for mb in mini if mb.tokens]
@@ -333,7 +350,7 @@ class Trainer:
             behav = prox_all = torch.zeros(0, dtype=torch.float64)
             versions = torch.zeros(0, dtype=torch.long)
         w = torch.exp(prox_all - behav)
-        capped = (w > cfg.behav_cap) if cfg.objective == "decoupled_ppo" else torch.zeros_like(w, dtype=torch.bool)
+        capped = (w > cfg.behav_cap) if objective == "decoupled_ppo" else torch.zeros_like(w, dtype=torch.bool)
         own = versions == self.version - 1  # tokens sampled by the weights prox was computed with
         r = (prox_all - behav)[own]
         n = stats.tokens

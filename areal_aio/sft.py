@@ -1,0 +1,384 @@
+"""Cold-start fine-tuning: `python -m areal_aio sft settings.toml` teaches a model a reply format before RL.
+
+    pairs (sft.data)          generated: the task's reference replies (chain: worked, step-tagged
+      |                       solutions; arithmetic: the tagged answer) | a JSONL file of pairs;
+      |                       pairs whose prompt is held out are left out
+      |  tokenize: prompt ids through the chat template exactly as the rollout worker builds
+      |  them, completion ids = the assistant's reply up to the token that ends its turn
+      v
+    trainer worker  <- sft.steps x Train(objective="sft", publish=False), sft.batch_size pairs each
+      |               (token-mean NLL of the completion tokens; workers/trainer.py)
+      +-> Save(kind="model") -> <folder>/model/      an HF folder for model.path of an RL run
+    rollout worker  greedy replies to the first sft.eval_size held-out prompts: the base model
+                    beside the training, the tuned one after it (areal_aio/evaluation.py)
+
+Each eval reports the share of valid step-tagged replies (areal_aio.steps.parse), the pass
+and strict rates, and why the invalid ones are invalid. When the held-out prompts ask for
+steps (they end in STEP_INSTRUCTION), the base model also answers them with the plain answer
+instruction instead: the pass rate to match without the step format.
+
+The pairs are tokenized in this process (transformers' tokenizer; no model, no device); the
+model lives in the workers only.
+
+The folder (--out, else run.out_dir/<run.name or sft-<time>-<pid>>) gets settings.toml, sft.json
+(rates before and after, data, timings), steps.jsonl (one row per step), samples.jsonl (every
+eval reply with its score), the workers' logs and model/.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from areal_aio import wire
+from areal_aio.evaluation import greedy_completions, rates, sample_rows, score
+from areal_aio.preflight import PreflightError, preflight
+from areal_aio.rewards import AnswerReward, Scorer
+from areal_aio.settings import SFT, Settings, SettingsError, load_settings
+from areal_aio.steps import STEP_INSTRUCTION, parse
+from areal_aio.tasks import ANSWER_INSTRUCTION, Task, eval_tasks, training_tasks
+
+FOLDER_FILES = ("settings.toml", "sft.json", "steps.jsonl", "samples.jsonl", "model")
+"""A folder holding any of these holds a run or a tuning: never written over."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """One supervised example; `system` None = model.system_prompt (as the rollout worker uses)."""
+
+    prompt: str
+    completion: str
+    system: str | None = None
+
+
+# ---------------------------------------------------------------- data
+
+
+def read_pairs(path: str | Path) -> list[Pair]:
+    """Pairs from a JSONL file of {"prompt", "completion"} or {"messages": [...]} rows; a bad
+    row is a ValueError naming its line."""
+    pairs = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not valid JSON ({exc})") from None
+        pair = _row_pair(row)
+        if isinstance(pair, str):
+            raise ValueError(f"{path}:{number}: {pair}; expected {{\"prompt\": ..., \"completion\": ...}} or "
+                             f"{{\"messages\": [system (optional), user, assistant]}} with non-empty strings")
+        pairs.append(pair)
+    if not pairs:
+        raise ValueError(f"{path}: no pairs (the file is empty)")
+    return pairs
+
+
+def _row_pair(row: object) -> Pair | str:
+    """The pair of one row, or what is wrong with it."""
+    if not isinstance(row, dict):
+        return f"a {type(row).__name__}, not an object"
+    if "messages" in row:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            return "messages is not a list of objects"
+        roles = [m.get("role") for m in messages]
+        if roles not in (["user", "assistant"], ["system", "user", "assistant"]):
+            return f"messages have roles {roles}"
+        texts = [m.get("content") for m in messages]
+        if not all(isinstance(t, str) and t.strip() for t in texts):
+            return "a message has no content"
+        return Pair(texts[-2], texts[-1], texts[0] if len(texts) == 3 else None)
+    for key in ("prompt", "completion"):
+        if not isinstance(row.get(key), str) or not row[key].strip():
+            return f"no {key}" if key not in row else f"{key} is {row[key]!r}"
+    return Pair(row["prompt"], row["completion"])
+
+
+def generated_pairs(settings: Settings) -> Iterator[Pair]:
+    """The task's training prompts with their reference replies, endless."""
+    name = settings.task.name
+    if name == "chain":
+        from areal_aio.chain import chain_items
+
+        for it in chain_items(settings.task, settings.run.seed):
+            yield Pair(f"{it.question} {STEP_INSTRUCTION}", it.solution)
+    elif name == "arithmetic":
+        for task in training_tasks(settings):
+            yield Pair(task.prompt, f"<answer>{task.answer}</answer>")
+    else:
+        raise ValueError(f"sft.data = generated: task {name!r} has no reference replies; give sft.data "
+                         f"a JSONL file of {{prompt, completion}} rows")
+
+
+def sft_eval_set(settings: Settings) -> list[Task]:
+    """The first sft.eval_size prompts of the task's held-out set."""
+    if settings.sft.eval_size == 0:
+        return []
+    task = dataclasses.replace(settings.task, eval_size=settings.sft.eval_size)
+    return eval_tasks(dataclasses.replace(settings, task=task))
+
+
+def batches(settings: Settings, held_out: set[str]) -> list[list[Pair]]:
+    """sft.steps batches of sft.batch_size pairs, none with a held-out prompt. Generated pairs
+    come in stream order; a file's pairs are shuffled (run.seed) and cycled, reshuffled each pass."""
+    cfg = settings.sft
+    if cfg.data == "generated":
+        source: Iterator[Pair] = (p for p in generated_pairs(settings) if p.prompt not in held_out)
+    else:
+        pool = [p for p in read_pairs(cfg.data) if p.prompt not in held_out]
+        if not pool:
+            raise ValueError(f"{cfg.data}: every pair's prompt is a held-out prompt")
+        source = _shuffled_passes(pool, settings.run.seed)
+    return [list(itertools.islice(source, cfg.batch_size)) for _ in range(cfg.steps)]
+
+
+def _shuffled_passes(pool: list[Pair], seed: int) -> Iterator[Pair]:
+    rng = random.Random(seed)
+    while True:
+        order = pool[:]
+        rng.shuffle(order)
+        yield from order
+
+
+def tokenize(tokenizer: Any, pair: Pair, system_prompt: str = "") -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) of a pair: the prompt as the rollout worker encodes it, the
+    completion as the chat template writes the assistant's turn, up to and including the
+    token that ends it (EOS, where generation stops). A template that does not extend the
+    prompt's ids gets the reply's own tokens and EOS instead."""
+    from workers.models import encode_prompt
+
+    system = system_prompt if pair.system is None else pair.system
+    prompt_ids = encode_prompt(tokenizer, pair.prompt, system)
+    messages = [{"role": "system", "content": system}] if system else []
+    messages += [{"role": "user", "content": pair.prompt}, {"role": "assistant", "content": pair.completion}]
+    full = tokenizer.apply_chat_template(messages, tokenize=True)
+    full = list(full["input_ids"] if hasattr(full, "keys") else full)
+    eos = tokenizer.eos_token_id
+    tail = full[len(prompt_ids):]
+    if full[:len(prompt_ids)] == prompt_ids and eos in tail:
+        return prompt_ids, tail[:tail.index(eos) + 1]
+    end = [] if eos is None else [eos]
+    return prompt_ids, [*tokenizer.encode(pair.completion, add_special_tokens=False), *end]
+
+
+def train_samples(tokenized: list[tuple[list[int], list[int]]], version: int) -> list[wire.TrainSample]:
+    """One Train's samples: one group (identical prompts then share a packed row), no rewards."""
+    return [wire.TrainSample(p, c, [0.0] * len(c), [version] * len(c), 0.0, 0) for p, c in tokenized]
+
+
+# ---------------------------------------------------------------- evals
+
+
+def plain_tasks(tasks: list[Task]) -> list[Task]:
+    """The step prompts among `tasks` with the plain answer instruction in place of the step one."""
+    return [Task(t.id, f"{t.prompt.removesuffix(STEP_INSTRUCTION).rstrip()} {ANSWER_INSTRUCTION}", t.answer)
+            for t in tasks if t.prompt.endswith(STEP_INSTRUCTION)]
+
+
+def format_rates(completions: list[wire.Completion], scores: list[Any]) -> dict[str, Any]:
+    """Valid step-tagged replies, pass and strict rates, and why the invalid ones are invalid."""
+    parsed = [parse(c.text) for c in completions]
+    problems = collections.Counter(p.problem for p in parsed if not p.valid)
+    return {"n": len(completions), "valid_rate": sum(p.valid for p in parsed) / len(parsed), **rates(scores),
+            "tokens_mean": sum(len(c.completion_ids) for c in completions) / len(completions),
+            "cut_at_max_new_tokens": sum(c.finish == "length" for c in completions),
+            "problems": dict(problems.most_common())}
+
+
+async def evaluate(settings: Settings, stages: dict[str, list[Task]], folder: Path,
+                   log: str) -> dict[str, dict[str, Any]]:
+    """Greedy replies of settings.model.path to every stage's tasks (one rollout worker), scored;
+    their rows are appended to samples.jsonl."""
+    everything = [t for tasks in stages.values() for t in tasks]
+    completions = await greedy_completions(settings, everything, folder / log)
+    scorer = Scorer(AnswerReward(settings.task.format_bonus), timeout_s=settings.controller.reward_timeout_s,
+                    procs=0)
+    try:
+        scores = await score(scorer, everything, completions)
+    finally:
+        await scorer.aclose()
+    out, lo, rows = {}, 0, []
+    for stage, tasks in stages.items():
+        done, got = completions[lo:lo + len(tasks)], scores[lo:lo + len(tasks)]
+        lo += len(tasks)
+        out[stage] = format_rates(done, got)
+        for row, c in zip(sample_rows(0, tasks, done, got), done, strict=True):
+            reply = parse(c.text)
+            rows.append({**row, "kind": "sft_eval", "stage": stage, "valid": reply.valid,
+                         "problem": reply.problem})
+    with open(folder / "samples.jsonl", "ab") as fh:
+        fh.write(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return out
+
+
+# ---------------------------------------------------------------- the run
+
+
+def sft_folder(settings: Settings, out: str | None) -> Path:
+    name = settings.run.name or f"sft-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    return Path(out) if out is not None else Path(settings.run.out_dir) / name
+
+
+def check(settings: Settings, folder: Path, out: str | None) -> None:
+    """Preflight of the tuning: the run's checks, sft.data and the folder (PreflightError)."""
+    preflight(settings, out)
+    data = settings.sft.data
+    if data == "generated":
+        if settings.task.name not in ("chain", "arithmetic"):
+            raise PreflightError(f"sft.data = generated: task {settings.task.name!r} has no reference "
+                                 "replies; give sft.data a JSONL file of {prompt, completion} rows")
+    else:
+        try:
+            read_pairs(data)
+        except FileNotFoundError:
+            raise PreflightError(f"sft.data: no such file {data!r} (or 'generated')") from None
+        except IsADirectoryError:
+            raise PreflightError(f"sft.data: {data!r} is a folder, not a JSONL file") from None
+        except OSError as exc:
+            raise PreflightError(f"sft.data: cannot read {data!r} ({exc.strerror or exc})") from None
+        except UnicodeDecodeError as exc:
+            raise PreflightError(f"sft.data: {data!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        except ValueError as exc:
+            raise PreflightError(f"sft.data: {exc}") from None
+    found = [name for name in FOLDER_FILES if (folder / name).exists()]
+    if found:
+        raise PreflightError(f"{'--out' if out else 'run.name'}: {folder} already holds a run ({found[0]}); "
+                             "pick another folder")
+
+
+async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:
+    """The whole tuning (module docstring); returns what sft.json holds."""
+    from areal_aio.client import PipeWorker, ensure_model
+    from areal_aio.weight_store import WeightStore
+
+    t0 = time.perf_counter()
+    cfg = settings.sft
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "settings.toml").write_text(settings.to_toml())
+    eval_set = sft_eval_set(settings)
+    held_out = {t.prompt for t in eval_tasks(settings)} | {t.prompt for t in eval_set}
+    plan = batches(settings, held_out)
+    await ensure_model(settings.model.path)
+    tokenized = await asyncio.to_thread(_tokenize_all, settings, plan)
+    longest = max(len(c) for batch in tokenized for _, c in batch)
+    too_long = sum(len(c) > settings.rollout.max_new_tokens for batch in tokenized for _, c in batch)
+    if too_long:
+        print(f"warning: {too_long} completions are longer than rollout.max_new_tokens "
+              f"({settings.rollout.max_new_tokens} tokens; the longest has {longest}): the evals cut them",
+              file=sys.stderr)
+
+    stages = {"before": eval_set}
+    if plain := plain_tasks(eval_set):
+        stages["before_plain"] = plain
+    trainer_settings = dataclasses.replace(settings, trainer=dataclasses.replace(
+        settings.trainer, lr=cfg.lr, minibatches=1, kl_coef=0.0))
+    trainer = PipeWorker("trainer", folder / "trainer.log", settings.trainer.threads)
+    store = WeightStore.create(f"sft-{folder.name}")
+    rows: list[dict[str, Any]] = []
+
+    async def train() -> float:
+        t_start = time.perf_counter()
+        await trainer.start(wire.Init("trainer", trainer_settings.to_dict(), str(store.root)))
+        t_train = time.perf_counter()
+        with open(folder / "steps.jsonl", "ab") as fh:
+            for step, batch in enumerate(tokenized, start=1):
+                await trainer.send(wire.Train(step, step - 1, train_samples(batch, step - 1),
+                                              objective=SFT, publish=False))
+                msg = await trainer.recv()
+                if not isinstance(msg, wire.Trained):
+                    raise trainer.failure(msg)
+                row = {"step": step, **msg.stats, "wall_s": round(time.perf_counter() - t_start, 3)}
+                rows.append(row)
+                fh.write(orjson.dumps(row) + b"\n")
+                fh.flush()
+                if settings.run.progress:
+                    print(f"sft step {step}/{cfg.steps}: loss {row['loss']:.4f}, {row['tokens']} tokens, "
+                          f"{row['seconds']:.1f}s", file=sys.stderr, flush=True)
+        train_s = time.perf_counter() - t_train
+        await trainer.send(wire.Save("model", str(folder / "model")))
+        msg = await trainer.recv()
+        if not isinstance(msg, wire.Saved):
+            raise trainer.failure(msg)
+        return train_s
+
+    evaluating = None
+    try:
+        async with asyncio.TaskGroup() as tg:
+            training = tg.create_task(train())
+            if eval_set:  # the base model's eval runs beside the training
+                evaluating = tg.create_task(evaluate(settings, stages, folder, "eval-before-rollout.log"))
+    finally:
+        await trainer.stop()
+        store.close()
+    before = evaluating.result() if evaluating is not None else {}
+    after: dict[str, Any] = {}
+    if eval_set:
+        tuned = dataclasses.replace(settings, model=dataclasses.replace(settings.model, path=str(folder / "model")))
+        after = await evaluate(tuned, {"after": eval_set}, folder, "eval-after-rollout.log")
+    summary = {
+        "model": str(folder / "model"), "base_model": settings.model.path, "task": settings.task.name,
+        "data": cfg.data, "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
+        "pairs": sum(map(len, plan)), "distinct_prompts": len({p.prompt for b in plan for p in b}),
+        "completion_tokens_max": longest, "completions_over_max_new_tokens": too_long,
+        "tokens_trained": sum(r["tokens"] for r in rows),
+        "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
+        "train_s": round(training.result(), 3), "wall_s": round(time.perf_counter() - t0, 3),
+        "eval_size": len(eval_set), "max_new_tokens": settings.rollout.max_new_tokens,
+        **before, **after,
+    }
+    (folder / "sft.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    return summary
+
+
+def _tokenize_all(settings: Settings, plan: list[list[Pair]]) -> list[list[tuple[list[int], list[int]]]]:
+    from workers.models import load_tokenizer
+
+    tokenizer = load_tokenizer(settings.model.path)
+    return [[tokenize(tokenizer, pair, settings.model.system_prompt) for pair in batch] for batch in plan]
+
+
+def main(settings_path: str, overrides: list[str], out: str | None) -> int:
+    """`python -m areal_aio sft`: exit 0 done, 1 failed (one line; error.log), 2 bad input, 130 / 143."""
+    from areal_aio.cli import one_line, run_owned, write_error_log
+
+    try:
+        settings = load_settings(settings_path, overrides)
+        folder = sft_folder(settings, out)
+        check(settings, folder, out)
+    except SettingsError as exc:
+        print(f"settings error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        summary = run_owned(fine_tune(settings, folder))
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; workers stopped, partial results in {folder}", file=sys.stderr)
+        return 130
+    except asyncio.CancelledError:
+        print(f"\nterminated; workers stopped, partial results in {folder}", file=sys.stderr)
+        return 143
+    except Exception as exc:  # noqa: BLE001 - one line here, the traceback in the folder
+        print(f"error: {one_line(exc)}; {write_error_log(exc, folder)}", file=sys.stderr)
+        return 1
+    for stage in ("before_plain", "before", "after"):
+        if stage in summary:
+            r = summary[stage]
+            print(f"{stage:>12}: valid {r['valid_rate']:.3f}  pass {r['pass_rate']:.3f}  "
+                  f"strict {r['strict_rate']:.3f}  ({r['n']} held-out prompts)")
+    print(f"{summary['steps']} steps, {summary['pairs']} pairs, loss {summary['loss_first']:.3f} -> "
+          f"{summary['loss_last']:.3f}, training {summary['train_s']:.0f}s, all {summary['wall_s']:.0f}s")
+    print(f"model: {summary['model']}")
+    return 0

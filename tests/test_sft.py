@@ -1,0 +1,183 @@
+"""areal_aio/sft.py: the data it trains on, its checks, and (slow) the whole command on tiny-random."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from areal_aio import wire
+from areal_aio.preflight import PreflightError
+from areal_aio.rewards import Score
+from areal_aio.settings import build_settings
+from areal_aio.sft import (
+    Pair,
+    batches,
+    check,
+    format_rates,
+    generated_pairs,
+    plain_tasks,
+    read_pairs,
+    sft_eval_set,
+    tokenize,
+    train_samples,
+)
+from areal_aio.steps import STEP_INSTRUCTION, parse
+from areal_aio.tasks import ANSWER_INSTRUCTION, Task, eval_tasks
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAIN = {"task": {"name": "chain", "terms": 3, "eval_size": 8}, "sft": {"steps": 5, "batch_size": 4, "eval_size": 8}}
+
+
+def write(path: Path, *rows: object) -> Path:
+    path.write_bytes(b"\n".join(r if isinstance(r, bytes) else orjson.dumps(r) for r in rows) + b"\n")
+    return path
+
+
+def test_read_pairs_takes_both_row_shapes(tmp_path):
+    path = write(tmp_path / "pairs.jsonl", {"prompt": "Say hi.", "completion": "hi"},
+                 {"messages": [{"role": "user", "content": "Say yo."}, {"role": "assistant", "content": "yo"}]},
+                 {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Say ok."},
+                               {"role": "assistant", "content": "ok"}]})
+    assert read_pairs(path) == [Pair("Say hi.", "hi"), Pair("Say yo.", "yo"), Pair("Say ok.", "ok", "Be terse.")]
+
+
+@pytest.mark.parametrize("row,problem", [
+    (b"{nope", "not valid JSON"),
+    ([1, 2], "a list, not an object"),
+    ({"prompt": "q"}, "no completion"),
+    ({"prompt": "q", "completion": ""}, "completion is ''"),
+    ({"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]},
+     r"messages have roles \['assistant', 'user'\]"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}, "a message has no content"),
+])
+def test_a_bad_pair_row_names_its_line(tmp_path, row, problem):
+    path = write(tmp_path / "bad.jsonl", {"prompt": "q", "completion": "a"}, row)
+    with pytest.raises(ValueError, match=rf"bad.jsonl:2: {problem}"):
+        read_pairs(path)
+
+
+def test_generated_pairs_are_the_tasks_reference_replies():
+    chain = build_settings(CHAIN)
+    for pair in list(zip(range(20), generated_pairs(chain), strict=False)):
+        prompt, reply = pair[1].prompt, parse(pair[1].completion)
+        assert prompt.endswith(STEP_INSTRUCTION) and reply.valid and len(reply.steps) == 2
+    arithmetic = next(generated_pairs(build_settings({})))
+    assert arithmetic.completion.startswith("<answer>") and ANSWER_INSTRUCTION in arithmetic.prompt
+    with pytest.raises(ValueError, match="no reference replies"):
+        next(generated_pairs(build_settings({"task": {"name": "jsonl", "path": "x.jsonl"}})))
+
+
+def test_batches_leave_out_held_out_prompts_and_are_deterministic(tmp_path):
+    s = build_settings(CHAIN, ["sft.steps=40"])
+    everything = [p.prompt for b in batches(s, set()) for p in b]
+    held_out = {everything[0], everything[7]}
+    plan = batches(s, held_out)
+    assert len(plan) == 40 and all(len(b) == 4 for b in plan) and plan == batches(s, held_out)
+    prompts = [p.prompt for b in plan for p in b]
+    assert not held_out & set(prompts)
+    assert prompts[:6] == everything[1:7] and prompts[6] == everything[8]
+    # a file's pairs: shuffled, every pair once per pass
+    rows = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(6)]
+    path = write(tmp_path / "pairs.jsonl", *rows)
+    s = build_settings({"sft": {"data": str(path), "steps": 3, "batch_size": 4}})
+    order = [p.prompt for b in batches(s, {"q5"}) for p in b]
+    assert sorted(order[:5]) == [f"q{i}" for i in range(5)] and sorted(order[5:10]) == sorted(order[:5])
+    assert order[:5] != [f"q{i}" for i in range(5)]
+
+
+def test_sft_eval_set_is_the_head_of_the_held_out_set():
+    s = build_settings(CHAIN, ["sft.eval_size=3"])
+    assert sft_eval_set(s) == eval_tasks(s)[:3]
+    assert sft_eval_set(build_settings(CHAIN, ["sft.eval_size=0"])) == []
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from workers.models import TINY, load_tokenizer
+
+    return load_tokenizer(TINY)
+
+
+def test_tokenize_gives_the_rollout_prompt_and_the_turn_up_to_eos(tokenizer):
+    from workers.models import encode_prompt
+
+    pair = Pair("Calculate 4 - 1 - 7.", "Step 1: 4 - 1 = 3\nStep 2: 3 - 7 = -4\n<answer>-4</answer>")
+    prompt, completion = tokenize(tokenizer, pair)
+    assert prompt == encode_prompt(tokenizer, pair.prompt)
+    assert completion[-1] == tokenizer.eos_token_id and tokenizer.eos_token_id not in completion[:-1]
+    assert tokenizer.decode(completion[:-1]) == pair.completion
+    own, _ = tokenize(tokenizer, Pair(pair.prompt, pair.completion, "Be terse."), "ignored")
+    assert own == encode_prompt(tokenizer, pair.prompt, "Be terse.")
+    assert tokenize(tokenizer, pair, "Be terse.")[0] == own
+    samples = train_samples([(prompt, completion)], version=3)
+    assert samples[0].versions == [3] * len(completion) and samples[0].logprobs == [0.0] * len(completion)
+
+
+def test_plain_tasks_swap_the_step_instruction_for_the_answer_one():
+    tasks = [Task("e0", f"Calculate 1 + 2. {STEP_INSTRUCTION}", "3"), Task("e1", "Calculate 1.", "1")]
+    assert plain_tasks(tasks) == [Task("e0", f"Calculate 1 + 2. {ANSWER_INSTRUCTION}", "3")]
+
+
+def test_format_rates_count_valid_replies_and_name_the_problems():
+    texts = ["Step 1: 1 + 2 = 3\n<answer>3</answer>", "<answer>3</answer>", "Step 1: 1 + 2 = 3\n", "3"]
+    done = [wire.Completion(f"r{i}", [1], [2] * (i + 1), [0.0] * (i + 1), [0] * (i + 1), text,
+                            "length" if i == 2 else "stop", 0, 0.1) for i, text in enumerate(texts)]
+    scores = [Score(1.2, True, True), Score(1.2, True, True), Score(0.0, False), Score(1.0, True)]
+    got = format_rates(done, scores)
+    assert got["valid_rate"] == 0.25 and got["pass_rate"] == 0.75 and got["strict_rate"] == 0.5
+    assert got["problems"] == {"no steps": 2, "no <answer> tag": 1} and got["cut_at_max_new_tokens"] == 1
+    assert got["tokens_mean"] == 2.5
+
+
+def test_check_names_the_bad_input(tmp_path):
+    with pytest.raises(PreflightError, match="sft.data: no such file"):
+        check(build_settings({"sft": {"data": str(tmp_path / "none.jsonl")}}), tmp_path / "a", None)
+    bad = write(tmp_path / "bad.jsonl", {"prompt": "q"})
+    with pytest.raises(PreflightError, match=r"sft.data: .*bad.jsonl:1: no completion"):
+        check(build_settings({"sft": {"data": str(bad)}}), tmp_path / "a", None)
+    tasks = write(tmp_path / "tasks.jsonl", {"prompt": "q", "answer": "1"})
+    with pytest.raises(PreflightError, match="no reference replies"):
+        check(build_settings({"task": {"name": "jsonl", "path": str(tasks)}}), tmp_path / "a", None)
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "sft.json").write_text("{}")
+    with pytest.raises(PreflightError, match="already holds a run"):
+        check(build_settings({}), tmp_path / "used", str(tmp_path / "used"))
+    check(build_settings(CHAIN), tmp_path / "fresh", None)
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "areal_aio", "sft", str(ROOT / "settings.toml"),
+                           "--set", "sft.data=missing.jsonl", "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0
+    assert "sft.data: no such file 'missing.jsonl'" in done.stderr
+
+
+@pytest.mark.slow
+def test_sft_command_writes_a_loadable_model_and_its_record(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "tuned"
+    done = subprocess.run(
+        [sys.executable, "-m", "areal_aio", "sft", str(ROOT / "settings.toml"), "--out", str(out),
+         "--set", "model.path=embedded:tiny-random", "--set", "task.name=chain", "--set", "task.terms=3",
+         "--set", "sft.steps=3", "--set", "sft.batch_size=4", "--set", "sft.eval_size=4", "--set", "sft.lr=1e-3",
+         "--set", "rollout.max_new_tokens=6", "--set", "trainer.bf16=off", "--set", "run.progress=false"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"model: {out / 'model'}" in done.stdout
+    record = orjson.loads((out / "sft.json").read_bytes())
+    assert record["steps"] == 3 and record["pairs"] == 12 and record["loss_last"] < record["loss_first"]
+    assert {"before", "before_plain", "after"} <= set(record) and record["after"]["n"] == 4
+    steps = [orjson.loads(line) for line in (out / "steps.jsonl").read_bytes().splitlines()]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    rows = [orjson.loads(line) for line in (out / "samples.jsonl").read_bytes().splitlines()]
+    assert sorted({r["stage"] for r in rows}) == ["after", "before", "before_plain"] and len(rows) == 12
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    assert model.config.num_hidden_layers == 2 and tok.chat_template
+    assert not list(Path("/dev/shm/areal_aio").glob("sft-tuned-*"))
