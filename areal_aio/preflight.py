@@ -95,7 +95,7 @@ def check_out(folder: Path, key: str) -> None:
 
 
 def check_model(spec: str) -> None:
-    from workers.models import EMBEDDED
+    from areal_aio.workers.models import EMBEDDED
 
     if spec.startswith("embedded:"):
         if spec not in EMBEDDED:

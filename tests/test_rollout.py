@@ -1,4 +1,4 @@
-"""The rollout worker as a real subprocess (`python -m workers.rollout`) on embedded:tiny-random."""
+"""The rollout worker as a real subprocess (`python -m areal_aio.workers.rollout`) on embedded:tiny-random."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from areal_aio import wire
 from areal_aio.settings import build_settings
 from areal_aio.weight_store import WeightStore
-from workers.models import TINY, encode_prompt, load_model
+from areal_aio.workers.models import TINY, encode_prompt, load_model
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ enough that an UpdateWeights sent after a short request finished lands mid-gener
 
 NOISY_MAIN = """
 import os, sys
-from workers import rollout
+from areal_aio.workers import rollout
 handle = rollout.RolloutWorker._handle
 def noisy(self, msg, channel):
     print("stray print from python")
@@ -46,7 +46,7 @@ class WorkerProcess:
     def __init__(self, tmp: Path, overrides: tuple[str, ...] = (), code: str | None = None) -> None:
         self.settings = build_settings({}, (f"model.path={TINY}", "run.seed=3", *overrides))
         self.log = tmp / "rollout.log"
-        argv = [sys.executable, "-c", code] if code else [sys.executable, "-m", "workers.rollout"]
+        argv = [sys.executable, "-c", code] if code else [sys.executable, "-m", "areal_aio.workers.rollout"]
         self.proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=open(self.log, "wb"), env=dict(os.environ))
         self.inbox: queue.Queue = queue.Queue()

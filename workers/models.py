@@ -13,7 +13,7 @@ folder renamed into place, so two workers starting together convert once and
 a crash mid-conversion leaves no half folder. torch and transformers are
 imported inside functions: the controller imports this module for paths only.
 
-Run `python -m workers.models prepare SPEC` to fill the cache ahead of a run.
+Run `python -m areal_aio.workers.models prepare SPEC` to fill the cache ahead of a run.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def encode_prompt(tok: Any, prompt: str, system_prompt: str = "") -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] != "prepare":
-        print("usage: python -m workers.models prepare SPEC", file=sys.stderr)
+        print("usage: python -m areal_aio.workers.models prepare SPEC", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     try:

@@ -1,4 +1,4 @@
-"""The rollout worker process: `python -m workers.rollout`, the Engine behind a pipe.
+"""The rollout worker process: `python -m areal_aio.workers.rollout`, the Engine behind a pipe.
 
     Init -> configure_torch, load_model -> Ready(version 0)
     loop:
@@ -24,9 +24,9 @@ from typing import Any
 
 from areal_aio import wire
 from areal_aio.settings import Settings
-from workers.common import EOF, Channel, configure_torch, serve
-from workers.engine import Engine, Request
-from workers.models import encode_prompt, load_model
+from areal_aio.workers.common import EOF, Channel, configure_torch, serve
+from areal_aio.workers.engine import Engine, Request
+from areal_aio.workers.models import encode_prompt, load_model
 
 IDLE_WAIT_S = 1.0
 """Blocking wait for a message when there is nothing to generate (wakes at once on a message)."""
