@@ -206,10 +206,16 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32", device: str 
     return model, tok
 
 
-def encode_prompt(tok: Any, prompt: str, system_prompt: str = "") -> list[int]:
-    """The chat template, applied the same way by every worker, eval and benchmark."""
+def encode_prompt(tok: Any, prompt: str | list[dict[str, str]], system_prompt: str = "") -> list[int]:
+    """The chat template, applied the same way by every worker, eval and benchmark. `prompt`:
+    a user message, or a chat's turns (the system prompt goes first unless it has its own)."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": prompt})
+    if isinstance(prompt, str):
+        messages.append({"role": "user", "content": prompt})
+    elif prompt and prompt[0]["role"] == "system":
+        messages = list(prompt)
+    else:
+        messages.extend(prompt)
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
         ids = ids["input_ids"]
