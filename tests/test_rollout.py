@@ -225,3 +225,25 @@ def test_a_crash_reaches_the_parent_as_error_with_traceback(spawn, tmp_path):
     assert "WeightStoreError" in err.message and "Traceback" in err.traceback
     assert "load_weights" in err.traceback
     assert w.recv() is None and w.proc.wait(timeout=REPLY_TIMEOUT_S) == 1
+
+
+def test_a_chat_is_templated_whole_with_its_system_turn(spawn, weights):
+    """Generate.messages (a chat task) goes through the chat template as it is, its own system
+    turn in place of model.system_prompt's; a plain prompt still gets model.system_prompt."""
+    models, tok, _ = weights
+    chat = [{"role": "system", "content": "Reply with a number."},
+            {"role": "user", "content": "Calculate 1 + 1."}, {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "Calculate 2 + 2."}]
+    w = spawn("model.system_prompt='Be brief.'")
+    w.send(wire.Generate("chat", chat[-1]["content"], 4, 0.0, messages=chat))
+    w.send(wire.Generate("user", chat[-1]["content"], 4, 0.0, messages=chat[1:]))
+    w.generate("plain", "Calculate 2 + 2.", 4, temperature=0.0)
+    done, _ = w.collect(3)
+    text = {rid: tok.decode(c.prompt_ids) for rid, c in done.items()}
+    assert done["chat"].prompt_ids == encode_prompt(tok, chat)
+    assert "Reply with a number." in text["chat"] and "Be brief." not in text["chat"]
+    assert text["chat"].count("<|im_start|>user") == 2 and "<|im_start|>assistant\n2<|im_end|>" in text["chat"]
+    assert text["user"].startswith("<|im_start|>system\nBe brief.") and text["user"].count("<|im_start|>user") == 2
+    assert done["plain"].prompt_ids == encode_prompt(tok, "Calculate 2 + 2.", "Be brief.")
+    _check_logprobs(models, done["chat"])
+    assert w.shutdown() == 0
