@@ -9,8 +9,8 @@ does not import the controller.
 
 from typing import Any
 
-__all__ = ["AnswerReward", "Orchestrator", "Score", "Settings", "SettingsError", "Task", "load_settings"]
-_HOME = {"Orchestrator": "controller", "AnswerReward": "rewards", "Score": "rewards",
+__all__ = ["AnswerReward", "Orchestrator", "Reward", "Score", "Settings", "SettingsError", "Task", "load_settings"]
+_HOME = {"Orchestrator": "controller", "AnswerReward": "rewards", "Reward": "rewards", "Score": "rewards",
          "Settings": "settings", "SettingsError": "settings", "load_settings": "settings",
          "Task": "tasks"}
 

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.settings is None:
             raise SettingsError("a settings file is needed (or --resume RUN_DIR)")
         settings = load_settings(args.settings, args.overrides)
-        preflight(settings, getattr(args, "out", None))
+        rows = preflight(settings, getattr(args, "out", None))
     except SettingsError as exc:  # a bad key or value, or an input preflight rejects
         print(f"settings error: {exc}", file=sys.stderr)
         return 2
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         print(settings.to_toml(), end="")
         return 0
-    return _run(settings, args.out)
+    return _run(settings, args.out, rows=rows)
 
 
 def _resume(run_dir: str, settings_path: str | None, overrides: list[str], out: str | None) -> int:
@@ -140,11 +140,15 @@ def _eval(model: str, settings_path: str | None, overrides: list[str], out: str 
     return 0
 
 
-def _run(settings, out: str | None, resume=None) -> int:
+def _run(settings, out: str | None, resume=None, rows=None) -> int:
+    """Train; `rows`: the task file's rows preflight read (handed on, not read again)."""
     from areal_aio.controller import Orchestrator
+    from areal_aio.tasks import eval_tasks, training_tasks
     from areal_aio.trackers import run_tracked
 
-    orchestrator = Orchestrator(settings, out_dir=out, resume=resume)
+    given = {} if rows is None else {"tasks": training_tasks(settings, rows=rows),
+                                     "eval_set": eval_tasks(settings, rows=rows)}
+    orchestrator = Orchestrator(settings, out_dir=out, resume=resume, **given)
     try:
         summary = run_owned(run_tracked(orchestrator))
     except KeyboardInterrupt:

@@ -53,7 +53,7 @@ class WorkerClient(Protocol):
 
 
 class PipeWorker:
-    """A worker subprocess (`python -m workers.<role>`), spawned fresh (never forked)."""
+    """A worker subprocess (`python -m areal_aio.workers.<role>`), spawned fresh (never forked)."""
 
     def __init__(self, role: str, log_path: Path | None = None, threads: int = 1) -> None:
         self.role = role
@@ -72,7 +72,7 @@ class PipeWorker:
         log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - handed to the child
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", f"workers.{self.role}", stdin=asyncio.subprocess.PIPE,
+                sys.executable, "-m", f"areal_aio.workers.{self.role}", stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=log if log else asyncio.subprocess.DEVNULL,
                 env=env, start_new_session=True)
         finally:
@@ -146,15 +146,15 @@ class PipeWorker:
 async def ensure_model(spec: str) -> float:
     """Download/convert an embedded model before the workers start; returns seconds spent.
 
-    Runs `python -m workers.models prepare` in a subprocess that prints what it
+    Runs `python -m areal_aio.workers.models prepare` in a subprocess that prints what it
     does, so this process never imports torch. A cached model costs nothing.
     """
-    from workers.models import is_cached
+    from areal_aio.workers.models import is_cached
 
     if is_cached(spec):
         return 0.0
     t0 = time.perf_counter()
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "workers.models", "prepare", spec)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "areal_aio.workers.models", "prepare", spec)
     try:
         code = await proc.wait()
     except asyncio.CancelledError:

@@ -66,12 +66,12 @@ from areal_aio.client import PipeWorker, WorkerClient, WorkerFailed, ensure_mode
 from areal_aio.progress import Progress
 from areal_aio.replay import Group, ReplayBuffer
 from areal_aio.reward_pool import RewardPoolBroken
-from areal_aio.rewards import AnswerReward, Score, Scorer
+from areal_aio.rewards import Score, Scorer, component_means, load_rewards
 from areal_aio.runlog import RunLog
 from areal_aio.seeds import sample_seed
 from areal_aio.settings import Settings
 from areal_aio.staleness import may_admit, staleness
-from areal_aio.tasks import Task, eval_tasks, training_tasks
+from areal_aio.tasks import Task, eval_tasks, read_tasks, training_tasks
 from areal_aio.weight_store import WeightStore
 
 MONITOR_PERIOD_S = 0.05
@@ -157,7 +157,9 @@ class Orchestrator:
     """Runs one training run inside the caller's event loop.
 
     `tasks`: any iterable or async iterable of Task (default: settings' task stream);
-    `reward`: any sync or async callable (task, completion_text) -> float | Score;
+    `reward`: any sync or async callable (task, completion_text) -> float | Score, or a list of
+    rewards.Reward (summed with their weights, each logged as reward/<name>); default: what
+    task.reward names;
     `rollout` / `trainer`: WorkerClient instances (default: the real subprocesses);
     `resume`: a run folder (or one of its checkpoints) to continue; `settings` may differ from
     the checkpoint's only in checkpoint.RESUMABLE keys. A resumed run with its own `tasks`
@@ -182,9 +184,10 @@ class Orchestrator:
             checkpoint.check_compatible(self._ckpt, settings)
         consumed = state.get("consumed", 0)
         self._skip = consumed if tasks is not None else 0  # a caller's source: skip what was taken
-        self._tasks = tasks if tasks is not None else training_tasks(settings, start=consumed)
-        self._reward = reward if reward is not None else AnswerReward(settings.task.format_bonus)
-        self._eval_set = eval_set if eval_set is not None else eval_tasks(settings)
+        rows = read_tasks(settings.task) if tasks is None or eval_set is None else None  # read once
+        self._tasks = tasks if tasks is not None else training_tasks(settings, start=consumed, rows=rows)
+        self._reward = reward if reward is not None else load_rewards(settings.task)
+        self._eval_set = eval_set if eval_set is not None else eval_tasks(settings, rows=rows)
         name = settings.run.name or f"{settings.run.mode}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.folder = Path(out_dir) if out_dir is not None else Path(settings.run.out_dir) / name
         if self._ckpt is not None:
@@ -399,8 +402,8 @@ class Orchestrator:
             self._requests[sample.request_id] = sample
             self._rollout_busy.up()
             seed = sample_seed(self.settings.run.seed, sample.group_id, sample.index, sample.retries)
-            msgs.append(wire.Generate(sample.request_id, sample.task.prompt, r.max_new_tokens,
-                                      r.temperature, r.top_p, seed))
+            msgs.append(wire.Generate(sample.request_id, sample.task.text, r.max_new_tokens,
+                                      r.temperature, r.top_p, seed, sample.task.messages))
         await self.rollout.send_many(msgs)
 
     # ------------------------------------------------------------------ rollout side
@@ -609,7 +612,7 @@ class Orchestrator:
         rewards = [s.score.reward for s in samples]
         row = {"step": self.step, "version": self.version, "wall_s": round(wall, 3),
                "train_s": round(train_s, 3), "wait_s": round(wait_s, 3),
-               "reward_mean": sum(rewards) / len(rewards),
+               "reward_mean": sum(rewards) / len(rewards), **component_means([s.score for s in samples]),
                "pass_rate": sum(s.score.passed for s in samples) / len(samples),
                "strict_rate": sum(s.score.strict for s in samples) / len(samples),
                "staleness_max": max(stale), "staleness_mean": sum(stale) / len(stale),
@@ -869,6 +872,7 @@ class Orchestrator:
             "reward": s.score.reward if s.score else None, "pass": s.score.passed if s.score else None,
             "strict": s.score.strict if s.score else None,
             "reward_failed": s.score.failed if s.score else None,
+            **({"rewards": s.score.components} if s.score and s.score.components else {}),
             "oldest_version": c.oldest_version if c else None, "newest_version": c.newest_version if c else None,
             "staleness": staleness, "interrupts": c.interrupts if c else None, "retries": s.retries,
             "dropped": dropped, "step": step, "tokens": len(c.completion_ids) if c else 0})

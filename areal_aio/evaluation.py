@@ -2,7 +2,7 @@
 
     eval set (tasks.eval_tasks: the held-out prompts of the run's task settings)
       -> one greedy Generate per prompt (temperature 0, rollout.max_new_tokens, same engine)
-      -> the run's scorer (AnswerReward with task.format_bonus by default)
+      -> the run's scorer (what task.reward names: AnswerReward with task.format_bonus by default)
       -> pass rate, strict rate (tagged and correct), mean reward
 
 Inside a run the controller sends the requests and routes the answers (its rollout reader
@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from areal_aio import wire
-from areal_aio.rewards import AnswerReward, Score, Scorer
+from areal_aio.rewards import AnswerReward, Score, Scorer, component_means, load_rewards
 from areal_aio.settings import Settings, load_settings, resolved_settings
 from areal_aio.tasks import Task, eval_tasks
 
@@ -28,7 +28,7 @@ from areal_aio.tasks import Task, eval_tasks
 def requests(eval_set: list[Task], step: int, settings: Settings) -> list[wire.Generate]:
     """The greedy requests of the eval at `step` (ids eval<step>.<i>)."""
     r = settings.rollout
-    return [wire.Generate(f"eval{step}.{i}", task.prompt, r.max_new_tokens, 0.0, 1.0)
+    return [wire.Generate(f"eval{step}.{i}", task.text, r.max_new_tokens, 0.0, 1.0, messages=task.messages)
             for i, task in enumerate(eval_set)]
 
 
@@ -38,9 +38,10 @@ async def score(scorer: Scorer, eval_set: list[Task], completions: list[wire.Com
 
 
 def rates(scores: list[Score]) -> dict[str, float]:
+    """pass_rate, strict_rate, reward_mean and, for a weighted set of rewards, reward/<name>."""
     n = len(scores)
     return {"pass_rate": sum(s.passed for s in scores) / n, "strict_rate": sum(s.strict for s in scores) / n,
-            "reward_mean": sum(s.reward for s in scores) / n}
+            "reward_mean": sum(s.reward for s in scores) / n, **component_means(scores)}
 
 
 def sample_rows(step: int, eval_set: list[Task], completions: list[wire.Completion],
@@ -48,7 +49,7 @@ def sample_rows(step: int, eval_set: list[Task], completions: list[wire.Completi
     """One samples.jsonl row per prompt (kind "eval")."""
     return [{"kind": "eval", "step": step, "task_id": task.id, "prompt": task.prompt, "answer": task.answer,
              "reply": c.text, "reward": s.reward, "pass": s.passed, "strict": s.strict,
-             "tokens": len(c.completion_ids)}
+             **({"rewards": s.components} if s.components else {}), "tokens": len(c.completion_ids)}
             for task, c, s in zip(eval_set, completions, scores, strict=True)]
 
 
@@ -102,8 +103,11 @@ async def greedy_completions(settings: Settings, tasks: list[Task], log: Path) -
 async def evaluate_model(settings: Settings, out_file: Path) -> dict[str, Any]:
     """Score settings.model.path on the held-out set with the in-run protocol; write `out_file`."""
     eval_set = eval_tasks(settings)
-    scorer = Scorer(AnswerReward(settings.task.format_bonus), timeout_s=settings.controller.reward_timeout_s,
-                    procs=0)
+    reward = load_rewards(settings.task)
+    builtin = all(type(r.fn) is AnswerReward for r in (reward if isinstance(reward, list) else [reward]))
+    scorer = Scorer(reward, timeout_s=settings.controller.reward_timeout_s,
+                    procs=0 if builtin else settings.controller.reward_procs,
+                    log_path=out_file.with_name("eval-reward.log"))
     out_file.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:

@@ -4,8 +4,11 @@
 `--out`) and the cause, exit code 2, instead of a traceback seconds or minutes into
 the run. Checked:
 
-    task.path        jsonl: the file exists, is readable UTF-8, and every row is a task
-                     (a bad row is named as file:line)
+    task.path        jsonl | parquet | datasets: the file (folder) exists and is readable
+                     (JSONL as UTF-8), and every row is a task (a bad JSONL row is named as
+                     file:line, another as file: row N)
+    task.reward      each function imports, its signature takes (task, completion,
+                     **columns), and every column it requires is in every task row
     run folder       --out (or run.out_dir): not a file, and creatable/writable
     model.path       embedded:NAME is a known name; a path that looks local
                      (/, ./, ~, two or more /) is an existing HF folder with a config.json;
@@ -28,8 +31,12 @@ import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from areal_aio.settings import Settings, SettingsError
+
+if TYPE_CHECKING:
+    from areal_aio.tasks import Task
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 """A Hugging Face hub id: name or org/name. Anything else is a local path."""
@@ -47,33 +54,45 @@ class PreflightError(SettingsError):
     """An input the run cannot use (a file, a folder, a model, a device); names the key."""
 
 
-def preflight(settings: Settings, out: str | Path | None = None) -> None:
-    """Raise PreflightError naming the first unusable input; `out` is `run --out`, if given."""
-    check_tasks(settings)
+def preflight(settings: Settings, out: str | Path | None = None) -> list[Task] | None:
+    """Raise PreflightError naming the first unusable input; `out` is `run --out`, if given.
+    Returns the task file's rows (None for generated tasks), so a run need not read them again."""
+    rows = check_tasks(settings)
+    check_reward(settings, rows)
     check_out(Path(out) if out is not None else Path(settings.run.out_dir),
               "--out" if out is not None else "run.out_dir")
     check_model(settings.model.path)
     check_devices(settings)
+    return rows
 
 
-def check_tasks(settings: Settings) -> None:
-    if settings.task.name != "jsonl":
-        return
-    from areal_aio.tasks import read_jsonl
+def check_tasks(settings: Settings) -> list[Task] | None:
+    """The rows of a task file (None for generated tasks); PreflightError naming a bad one."""
+    from areal_aio.tasks import read_tasks
 
     path = settings.task.path
     try:
-        read_jsonl(path)
+        return read_tasks(settings.task)
     except FileNotFoundError:
         raise PreflightError(f"task.path: no such file {path!r}") from None
     except IsADirectoryError:
-        raise PreflightError(f"task.path: {path!r} is a folder, not a JSONL file") from None
+        raise PreflightError(f"task.path: {path!r} is a folder, not a {settings.task.name} file") from None
     except OSError as exc:
         raise PreflightError(f"task.path: cannot read {path!r} ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
         raise PreflightError(f"task.path: {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except ValueError as exc:
         raise PreflightError(f"task.path: {exc}") from None
+
+
+def check_reward(settings: Settings, rows: list[Task] | None) -> None:
+    """task.reward's functions import and take what the task rows give them."""
+    from areal_aio.rewards import check_columns, load_rewards
+
+    try:
+        check_columns(load_rewards(settings.task), rows)
+    except SettingsError as exc:
+        raise PreflightError(str(exc)) from None
 
 
 def check_out(folder: Path, key: str) -> None:
@@ -95,7 +114,7 @@ def check_out(folder: Path, key: str) -> None:
 
 
 def check_model(spec: str) -> None:
-    from workers.models import EMBEDDED
+    from areal_aio.workers.models import EMBEDDED
 
     if spec.startswith("embedded:"):
         if spec not in EMBEDDED:

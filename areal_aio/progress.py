@@ -146,7 +146,7 @@ def pick(samples: Sequence[Any]) -> list[dict[str, Any]]:
             c = s.completion
             span = f"{c.oldest_version}" if c.oldest_version == c.newest_version else \
                 f"{c.oldest_version}-{c.newest_version}"
-            rows.append({"group": s.group_id, "prompt": s.task.prompt, "answer": s.task.answer,
+            rows.append({"group": s.group_id, "prompt": s.task.text, "answer": s.task.answer,
                          "reply": c.text, "reward": s.score.reward, "versions": span})
     return rows
 

@@ -1,7 +1,7 @@
-"""The reward pool: a few processes that run a picklable sync reward function, one call each.
+"""The reward pool: a few processes that run picklable sync reward functions, one call each.
 
     controller loop                           pool process (python -m areal_aio.reward_pool)
-      call(task, text) --frame (task, text)-->   main thread: fn(task, text)
+      call(task, text) --frame (which, task, text, kwargs)-->  main thread: fns[which](task, text, **kwargs)
         wait_for(reply, timeout_s)   <--frame--  ("ok", value) | ("raised", "Type: message")
         timeout:  kill, respawn on next use      reader thread: stdin EOF -> exit at once
         EOF:      a break (counted); respawn     prctl(PR_SET_PDEATHSIG): controller dies -> killed
@@ -89,10 +89,13 @@ async def _read_async(reader: asyncio.StreamReader) -> Any:
 
 
 class RewardPool:
-    """`procs` processes, started on first use; `call` runs fn in one of them with a timeout."""
+    """`procs` processes, started on first use; `call` runs a function in one of them with a
+    timeout. `fn`: one function, or a list of them (every process holds them all; several
+    rewards of one run share the pool)."""
 
     def __init__(self, fn: Any, *, procs: int, timeout_s: float, log_path: Path | None = None) -> None:
-        self._fn = pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
+        fns = tuple(fn) if isinstance(fn, (list, tuple)) else (fn,)
+        self._fn = pickle.dumps(fns, protocol=pickle.HIGHEST_PROTOCOL)
         # what multiprocessing's spawn hands a child: sys.path, cwd and the main module, so a
         # function defined in the user's script unpickles there as it would in an executor
         self._prep = multiprocessing.spawn.get_preparation_data("areal_aio-reward")
@@ -110,9 +113,9 @@ class RewardPool:
     def pids(self) -> list[int]:
         return [p.pid for p in self._live if p.returncode is None]
 
-    async def call(self, task: Any, text: str) -> Any:
-        """fn(task, text) in a pool process. Raises RewardCallFailed (count it, score 0) or
-        RewardPoolBroken (stop the run)."""
+    async def call(self, task: Any, text: str, *, which: int = 0, kwargs: dict | None = None) -> Any:
+        """fns[which](task, text, **kwargs) in a pool process. Raises RewardCallFailed (count it,
+        score 0) or RewardPoolBroken (stop the run)."""
         if self._broken is not None:
             raise RewardPoolBroken(self._broken)
         if self._closed:
@@ -132,7 +135,7 @@ class RewardPool:
             if proc is None:
                 proc = await self._start()
             try:
-                proc.stdin.write(_frame((task, text)))
+                proc.stdin.write(_frame((which, task, text, kwargs or {})))
                 await proc.stdin.drain()
                 reply = await asyncio.wait_for(_read_async(proc.stdout), self.timeout_s)
             except TimeoutError:
@@ -265,7 +268,7 @@ def main() -> int:
     prep, fn_bytes = init
     try:
         multiprocessing.spawn.prepare(prep)
-        fn = pickle.loads(fn_bytes)
+        fns = pickle.loads(fn_bytes)
     except BaseException as exc:  # noqa: BLE001 - reported to the controller, which stops the run
         _write(out, ("error", f"{type(exc).__name__}: {exc}"))
         return 1
@@ -279,9 +282,9 @@ def main() -> int:
 
     threading.Thread(target=read, name="pipe-reader", daemon=True).start()
     while True:
-        task, text = inbox.get()
+        which, task, text, kwargs = inbox.get()
         try:
-            data = _frame(("ok", fn(task, text)))
+            data = _frame(("ok", fns[which](task, text, **kwargs)))
         except BaseException as exc:  # noqa: BLE001 - a failing reward is a counted failure
             traceback.print_exc()  # into the run folder's reward.log: why the rewards fail
             data = _frame(("raised", f"{type(exc).__name__}: {exc}"))

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -29,6 +31,33 @@ names (torch-free, so the controller and `check` read them); workers/losses.py i
 SFT = "sft"
 """The supervised objective: negative log-likelihood of the completion tokens. `python -m
 areal_aio sft` asks for it in each Train message; it is not a trainer.objective (RL runs)."""
+TASK_FILES = {"jsonl": None, "parquet": "pyarrow", "datasets": "datasets"}
+"""Task sources read from task.path -> the package each needs beyond the core (the `data` extra)."""
+BUILTIN_REWARDS = ("answer",)
+"""Rewards task.reward names without a module: `answer` is rewards.AnswerReward (task.format_bonus)."""
+REWARD_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+"""package.module:function (an attribute path after the colon: module:Class.method works too)."""
+TRL_NAMES = {
+    "learning_rate": "trainer.lr",
+    "num_generations": "rollout.group_size",
+    "beta": "trainer.kl_coef",
+    "max_completion_length": "rollout.max_new_tokens",
+    "per_device_train_batch_size": "trainer.batch_size",
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+    "epsilon": "trainer.clip_eps",
+    "epsilon_high": "trainer.clip_eps_high",
+    "max_grad_norm": "trainer.grad_clip",
+    "scale_rewards": "trainer.advantage",
+    "reward_funcs": "task.reward",
+    "model_name_or_path": "model.path",
+    "output_dir": "run.out_dir",
+    "save_steps": "run.checkpoint_every",
+    "save_total_limit": "run.keep_checkpoints",
+    "eval_steps": "task.eval_every",
+}
+"""Keys TRL's GRPOConfig users bring -> ours, suggested when a key is unknown. TRL's
+num_iterations (passes over one batch) has no counterpart: trainer.minibatches splits a batch."""
 UNBOUNDED = -1
 """`controller.max_staleness = -1` means no staleness bound (the ablation's 'unbounded')."""
 UNBOUNDED_IN_FLIGHT_BATCHES = 8
@@ -41,9 +70,10 @@ class SettingsError(ValueError):
 
 
 def opt(default: Any, doc: str, *, choices: tuple | None = None, ge: float | None = None,
-        le: float | None = None, gt: float | None = None) -> Any:
-    """A settings field: its default, its documentation and its allowed values."""
-    meta = {"doc": doc, "choices": choices, "ge": ge, "le": le, "gt": gt}
+        le: float | None = None, gt: float | None = None, parse: Any = None) -> Any:
+    """A settings field: its default, its documentation and its allowed values (`parse(key, value)`
+    checks a value no plain type describes and returns it as kept)."""
+    meta = {"doc": doc, "choices": choices, "ge": ge, "le": le, "gt": gt, "parse": parse}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -72,10 +102,50 @@ class ModelSettings:
     system_prompt: str = opt("", "System message placed before every prompt; empty keeps the chat template's own default.")
 
 
+def reward_value(key: str, value: Any) -> str | list:
+    """task.reward as given, its shape checked (the functions are imported at `check` time)."""
+    if not isinstance(value, (str, list)) or not value:
+        raise SettingsError(f"{key}: expected \"package.module:function\", \"answer\" or a non-empty list of "
+                            f"those and {{fn = ..., weight = ...}} tables, got {value!r}")
+    reward_parts(key, value)
+    return value
+
+
+def reward_parts(key: str, value: str | list) -> list[tuple[str, str, float]]:
+    """(name, function spec, weight) of each reward of task.reward. A name is the function's own
+    (the last part after the colon) unless a table gives `name`; names are unique."""
+    parts = []
+    for item in value if isinstance(value, list) else [value]:
+        table = item if isinstance(item, dict) else {"fn": item}
+        if not isinstance(table, dict) or "fn" not in table:
+            raise SettingsError(f"{key}: {item!r} is not a reward: give \"package.module:function\" or a "
+                                f"table with fn (and optionally weight, name)")
+        if set(table) - {"fn", "weight", "name"}:
+            raise SettingsError(f"{key}: unknown key {sorted(set(table) - {'fn', 'weight', 'name'})[0]!r} "
+                                f"in {item!r}; a reward table takes fn, weight and name")
+        fn, weight, name = table["fn"], table.get("weight", 1.0), table.get("name")
+        if not isinstance(fn, str) or not (fn in BUILTIN_REWARDS or REWARD_SPEC.fullmatch(fn)):
+            dotted = isinstance(fn, str) and re.fullmatch(r"[\w.]+\.\w+", fn)
+            hint = f"; did you mean {fn.rpartition('.')[0] + ':' + fn.rpartition('.')[2]!r}?" if dotted else ""
+            raise SettingsError(f"{key}: {fn!r} is not package.module:function nor a built-in reward "
+                                f"({', '.join(BUILTIN_REWARDS)}){hint}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise SettingsError(f"{key}: the weight of {fn!r} must be a finite number, got {weight!r}")
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise SettingsError(f"{key}: the name of {fn!r} must be a non-empty string, got {name!r}")
+        parts.append((name or fn.rpartition(":")[2].rpartition(".")[2], fn, float(weight)))
+    names = [name for name, _, _ in parts]
+    if len(set(names)) < len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise SettingsError(f"{key}: two rewards are named {twice!r}; give one a name = \"...\" in its table")
+    return parts
+
+
 @dataclass(frozen=True, slots=True)
 class TaskSettings:
-    name: str = opt("arithmetic", "arithmetic (procedural, reasoning-gym basic_arithmetic) | jsonl (a file of {prompt, answer} rows) | chain (procedural multi-step arithmetic with worked solutions, step-tagged replies; terms - 1 steps, so 3-5 terms).", choices=("arithmetic", "jsonl", "chain"))
-    path: str = opt("", "JSONL file for task.name = jsonl.")
+    name: str = opt("arithmetic", "arithmetic (procedural, reasoning-gym basic_arithmetic) | chain (procedural multi-step arithmetic with worked solutions, step-tagged replies; terms - 1 steps, so 3-5 terms) | jsonl (a file of rows, one JSON object a line) | parquet (a Parquet file) | datasets (a folder written by datasets' save_to_disk; its train split). File rows: {prompt, answer} or {messages, answer} (a chat: system/user/assistant turns ending with a user turn), an optional id; any other column goes to the reward. parquet and datasets need pip install 'areal_aio[data]'.", choices=("arithmetic", "chain", *TASK_FILES))
+    path: str = opt("", "The task file (or datasets folder) for task.name = jsonl | parquet | datasets; its last eval_size rows are the held-out set when it has more.")
+    reward: str | list = opt("answer", "The reward: \"answer\" (built in: 1 for a correct final answer, + format_bonus when tagged), \"package.module:function\" (importable here; called as fn(task, completion, **columns) -> float | Score, sync or async; it gets the task row's extra columns its signature names, all with **kwargs), or a list of those and {fn = \"...\", weight = 0.5, name = \"...\"} tables: each is logged as reward/<name>, the reward is their weighted sum, and the first decides pass and strict.", parse=reward_value)
     terms: int = opt(2, "Arithmetic and chain: terms per expression (chain: one solution step per operation, so set 3-5 for a multi-step task).", ge=2, le=6)
     digits: int = opt(1, "Arithmetic and chain: digits per term (one digit: 0-10 for arithmetic, 0-9 for chain).", ge=1, le=4)
     operators: list = opt(["+", "-"], "Arithmetic and chain: operators to draw from, any of + - * / (chain takes * and / first and divides exactly).")
@@ -166,8 +236,12 @@ class Settings:
             raise SettingsError(
                 f"trainer.batch_size ({self.trainer.batch_size}) must be a multiple of "
                 f"rollout.group_size ({self.rollout.group_size}): groups are trained whole")
-        if self.task.name == "jsonl" and not self.task.path:
-            raise SettingsError("task.path: required when task.name = 'jsonl'")
+        if self.task.name in TASK_FILES and not self.task.path:
+            raise SettingsError(f"task.path: required when task.name = '{self.task.name}'")
+        package = TASK_FILES.get(self.task.name)
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise SettingsError(f"task.name: '{self.task.name}' needs the {package} package: "
+                                f"pip install 'areal_aio[data]'")
         bad = [op for op in self.task.operators if op not in ("+", "-", "*", "/")]
         if bad or not self.task.operators:
             raise SettingsError(f"task.operators: {bad or '[]'} not allowed; use a non-empty list of + - * /")
@@ -310,6 +384,14 @@ def _check_key(key: str) -> None:
 
 
 def _unknown(key: str, valid: list[str], what: str) -> str:
+    """The error for an unknown key: a TRL name's counterpart, the same name in another section,
+    else the closest valid key."""
+    bare = key.rpartition(".")[2]
+    if bare in TRL_NAMES:
+        return f"unknown settings {what} {key!r}; did you mean {TRL_NAMES[bare]!r} (TRL's {bare})?"
+    elsewhere = [f"{s}.{bare}" for s, c in SECTIONS.items() if bare in {f.name for f in fields(c)}]
+    if elsewhere:
+        return f"unknown settings {what} {key!r}; did you mean {' or '.join(map(repr, elsewhere))}?"
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(valid)}"
     return f"unknown settings {what} {key!r}{hint}"
@@ -325,6 +407,8 @@ def _parse_value(text: str) -> Any:
 
 def _coerce(key: str, value: Any, kind: Any, meta: Any) -> Any:
     kind_name = getattr(kind, "__name__", str(kind))
+    if meta["parse"] is not None:
+        return meta["parse"](key, value)
     if kind is bool:
         if not isinstance(value, bool):
             raise SettingsError(f"{key}: expected true or false, got {value!r}")
@@ -374,4 +458,6 @@ def _toml_value(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return repr(value)

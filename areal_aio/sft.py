@@ -159,7 +159,7 @@ def tokenize(tokenizer: Any, pair: Pair, system_prompt: str = "") -> tuple[list[
     completion as the chat template writes the assistant's turn, up to and including the
     token that ends it (EOS, where generation stops). A template that does not extend the
     prompt's ids gets the reply's own tokens and EOS instead."""
-    from workers.models import encode_prompt
+    from areal_aio.workers.models import encode_prompt
 
     system = system_prompt if pair.system is None else pair.system
     prompt_ids = encode_prompt(tokenizer, pair.prompt, system)
@@ -345,7 +345,7 @@ async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:
 
 
 def _tokenize_all(settings: Settings, plan: list[list[Pair]]) -> list[list[tuple[list[int], list[int]]]]:
-    from workers.models import load_tokenizer
+    from areal_aio.workers.models import load_tokenizer
 
     tokenizer = load_tokenizer(settings.model.path)
     return [[tokenize(tokenizer, pair, settings.model.system_prompt) for pair in batch] for batch in plan]

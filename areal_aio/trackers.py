@@ -70,8 +70,9 @@ STEP_METRICS = {
     "replay_groups": "queue/replay_groups",
     "in_flight": "queue/in_flight",
 }
-"""steps.jsonl field -> tracker name. A numeric field not listed goes to `train/<field>`, one
-that already holds a `/` keeps its name, so a new column is never lost."""
+"""steps.jsonl field -> tracker name. A numeric field not listed goes to `train/<field>`, as does
+each reward of a weighted set (`reward/<name>` -> `train/reward/<name>`); another that already
+holds a `/` keeps its name, so a new column is never lost."""
 
 EVAL_METRICS = {
     "pass_rate": "eval/pass_rate",
@@ -81,7 +82,8 @@ EVAL_METRICS = {
     "wall_s": "eval/wall_s",
     "done_s": "eval/done_s",
 }
-"""Eval row field -> tracker name; an unlisted numeric field goes to `eval/<field>`."""
+"""Eval row field -> tracker name; an unlisted numeric field goes to `eval/<field>` (so
+`reward/<name>` -> `eval/reward/<name>`)."""
 
 
 def report_to_error(names: Iterable[str]) -> str | None:
@@ -103,7 +105,8 @@ def metrics(row: dict[str, Any]) -> dict[str, float]:
     for key, value in row.items():
         if key in ("kind", "step") or isinstance(value, bool) or not isinstance(value, int | float):
             continue
-        out[table.get(key, key if "/" in key else prefix + key)] = float(value)
+        own = "/" in key and not key.startswith("reward/")
+        out[table.get(key, key if own else prefix + key)] = float(value)
     return out
 
 

@@ -63,6 +63,7 @@ class Generate:
     temperature: float
     top_p: float = 1.0
     seed: int | None = None  # sampling seed (areal_aio.seeds); None: the worker assigns one
+    messages: list | None = None  # a chat task's {role, content} turns (the last is `prompt`): templated instead
 
 
 @dataclass(frozen=True, slots=True)

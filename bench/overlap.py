@@ -45,7 +45,7 @@ COMPLETION_TOKENS = 16
 
 
 def _gen_batch(engine: Any, ids: list[list[int]], tokens: int, tag: str) -> int:
-    from workers.engine import Request
+    from areal_aio.workers.engine import Request
 
     for i, prompt in enumerate(ids):
         engine.add(Request(f"{tag}.{i}", prompt, tokens, 0.7, 1.0))
@@ -59,10 +59,10 @@ def rollout_child(spec: str, device: str, dtype: str, tokens: int, ready: Any, s
     """Generate batches back to back until `stop`, at least one (a phase shorter than a batch
     still measures one); report (batches, tokens, seconds)."""
     sys.path.insert(0, str(REPO))
+    from areal_aio.workers.common import configure_torch
+    from areal_aio.workers.engine import Engine
+    from areal_aio.workers.models import load_model
     from bench.rollout_throughput import prompts
-    from workers.common import configure_torch
-    from workers.engine import Engine
-    from workers.models import load_model
 
     configure_torch(device, 1)
     model, tok = load_model(spec, seed=0, dtype=dtype, device=device)
@@ -122,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from areal_aio.settings import build_settings
     from areal_aio.weight_store import SHM_BASE, WeightStore
+    from areal_aio.workers.common import configure_torch
+    from areal_aio.workers.models import SMOLLM2, TINY, load_model
+    from areal_aio.workers.trainer import Trainer
     from bench.train_step import make_batch, reply_lengths
-    from workers.common import configure_torch
-    from workers.models import SMOLLM2, TINY, load_model
-    from workers.trainer import Trainer
 
     spec = args.model or (TINY if args.quick else SMOLLM2)
     n = args.updates or (1 if args.quick else 3)

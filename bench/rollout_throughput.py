@@ -6,7 +6,7 @@
 Every method generates the same sequences (arithmetic prompts, GRPO groups of identical
 prompts), with the same sampling (temperature, top_p) and the same max_new_tokens:
 
-    engine           workers.engine.Engine, all sequences queued at once, max_batch slots
+    engine           areal_aio.workers.engine.Engine, all sequences queued at once, max_batch slots
     engine+updates   the same, with new weights loaded (KV rebuilt) every --update-every steps
     generate/b<G>    model.generate on static batches of one group each (G sequences)
     generate/b<M>    model.generate on static batches of max_batch sequences
@@ -38,10 +38,10 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from areal_aio.safetensors_io import load_weights  # noqa: E402
 from areal_aio.weight_store import SHM_BASE, WeightStore  # noqa: E402
+from areal_aio.workers.common import configure_torch  # noqa: E402
+from areal_aio.workers.engine import Engine, Request  # noqa: E402
+from areal_aio.workers.models import SMOLLM2, TINY, encode_prompt, load_model  # noqa: E402
 from bench.common import save_figure, write_json  # noqa: E402
-from workers.common import configure_torch  # noqa: E402
-from workers.engine import Engine, Request  # noqa: E402
-from workers.models import SMOLLM2, TINY, encode_prompt, load_model  # noqa: E402
 
 QUESTIONS = ["Calculate 3 + 4.", "Calculate 8 - 5.", "Calculate 6 + 9.", "Calculate 7 - 2.",
              "Calculate 5 + 5.", "Calculate 9 - 4.", "Calculate 2 + 8.", "Calculate 4 - 1."]

@@ -49,9 +49,9 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from areal_aio import wire  # noqa: E402
 from areal_aio.settings import build_settings  # noqa: E402
 from areal_aio.weight_store import SHM_BASE, WeightStore  # noqa: E402
+from areal_aio.workers.models import SMOLLM2, TINY, load_model  # noqa: E402
+from areal_aio.workers.trainer import Trainer  # noqa: E402
 from bench.common import pyplot, save_figure, write_json  # noqa: E402
-from workers.models import SMOLLM2, TINY, load_model  # noqa: E402
-from workers.trainer import Trainer  # noqa: E402
 
 SEQS = 32
 QUICK_SEQS = 8

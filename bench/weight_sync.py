@@ -29,8 +29,8 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from areal_aio.safetensors_io import load_weights  # noqa: E402
 from areal_aio.weight_store import SHM_BASE, WeightStore  # noqa: E402
+from areal_aio.workers.models import SMOLLM2, TINY, load_model  # noqa: E402
 from bench.common import pyplot, save_figure, write_json  # noqa: E402
-from workers.models import SMOLLM2, TINY, load_model  # noqa: E402
 
 TARGET_RATIO = 1.5
 """(publish + load) / (raw write + raw read): above this the store adds copies it should not."""

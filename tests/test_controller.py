@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import orjson
@@ -344,3 +345,50 @@ async def test_a_trained_reply_after_its_step_was_cancelled_is_not_a_fault(tmp_p
     orch._trained.set_result(reply)  # that step already has its reply
     with pytest.raises(WorkerFailed, match="unexpected Trained"):
         await asyncio.wait_for(orch._trainer_reader(), 1)
+
+
+class RecordingRollout(FakeRollout):
+    """Keeps every Generate it was sent."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.generates: list[wire.Generate] = []
+
+    async def send(self, msg) -> None:
+        if isinstance(msg, wire.Generate):
+            self.generates.append(msg)
+        await super().send(msg)
+
+
+async def test_chat_rows_with_columns_and_a_weighted_reward_from_settings(tmp_path, monkeypatch):
+    """No script: task rows and rewards named in settings. Chats reach the rollout worker whole,
+    a column reaches the reward (in the pool's process), each reward is logged apart and summed."""
+    name = f"ctl_rewards_{os.getpid()}"
+    (tmp_path / f"{name}.py").write_text("def brevity(task, completion, limit):\n"
+                                         "    return float(len(completion) <= limit)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    system = {"role": "system", "content": "Reply with the number only."}
+    rows = [{"messages": [system, {"role": "user", "content": f"What is {i % 5} + {i % 3}?"}],
+             "answer": i % 5 + i % 3, "limit": 7 + i % 2} for i in range(12)]  # "It is 4." fits 8
+    (tmp_path / "chat.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    settings = build_settings({"task": {"name": "jsonl", "path": str(tmp_path / "chat.jsonl"),
+                                        "reward": ["answer", {"fn": f"{name}:brevity", "weight": 0.5}]}},
+                              ["run.progress=false", "run.max_steps=4", "controller.reward_procs=1", "rollout.group_size=2",
+                                 "trainer.batch_size=4", "task.eval_size=4", "task.eval_every=2",
+                                 "model.path=embedded:tiny-random"])
+    rollout = RecordingRollout()
+    summary = await Orchestrator(settings, out_dir=tmp_path / "run", rollout=rollout, trainer=FakeTrainer()).run()
+    assert summary["steps"] == 4 and summary["reward_failures"] == 0
+    chats = [g for g in rollout.generates if g.messages is not None]
+    assert len(chats) == len(rollout.generates) and all(g.messages[0] == system for g in chats)
+    assert all(g.prompt == g.messages[-1]["content"] for g in chats)
+    steps = [orjson.loads(x) for x in (tmp_path / "run" / "steps.jsonl").read_bytes().splitlines()]
+    for row in steps:
+        assert row["reward_mean"] == pytest.approx(row["reward/answer"] + 0.5 * row["reward/brevity"])
+    assert any(0 < row["reward/brevity"] < 1 for row in steps)  # the limit column decides, row by row
+    samples = [orjson.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_bytes().splitlines()]
+    trained = [r for r in samples if r["kind"] == "train" and r["step"]]
+    assert trained and all(set(r["rewards"]) == {"answer", "brevity"} for r in trained)
+    assert all(r["reward"] == pytest.approx(r["rewards"]["answer"] + 0.5 * r["rewards"]["brevity"]) for r in trained)
+    assert trained[0]["prompt"][0] == system
+    assert all("reward/brevity" in row for row in summary["eval_curve"])

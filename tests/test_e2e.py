@@ -194,6 +194,40 @@ async def test_learning_raises_held_out_reward(tmp_path):
     assert curve[-1] > curve[0] + 0.3, curve
 
 
+MY_REWARDS = """
+def short(task, completion, limit):
+    return float(len(completion.split()) <= limit)
+"""
+
+
+def test_cli_trains_on_parquet_chats_with_a_weighted_reward_of_its_own(tmp_path):
+    """No script: chat rows with a system turn and a column in a Parquet file, a reward module in
+    the current folder named in settings (scored in the pool's processes), each reward logged."""
+    import pyarrow
+    import pyarrow.parquet
+
+    (tmp_path / "my_rewards.py").write_text(MY_REWARDS)
+    rows = [{"messages": [{"role": "system", "content": "Answer with one number."},
+                          {"role": "user", "content": f"What is {i % 7} + {i % 5}?"}],
+             "answer": i % 7 + i % 5, "limit": 1 + i % 3} for i in range(40)]
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "tasks.parquet")
+    sets = [arg for kv in TINY + ["controller.reward_procs=1", "run.max_steps=2", "task.name=parquet",
+                                   "task.path=tasks.parquet", 'task.reward=["answer", {fn = "my_rewards:short", weight = 0.5}]']
+            for arg in ("--set", kv)]
+    done = subprocess.run([sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"), *sets,
+                           "--out", "run"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
+    assert summary["steps"] == 2 and summary["reward_failures"] == 0
+    steps = [orjson.loads(x) for x in (tmp_path / "run" / "steps.jsonl").read_bytes().splitlines()]
+    assert all(r["reward_mean"] == pytest.approx(r["reward/answer"] + 0.5 * r["reward/short"]) for r in steps)
+    assert all("reward/short" in r for r in summary["eval_curve"])
+    samples = [orjson.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_bytes().splitlines()]
+    trained = [r for r in samples if r["kind"] == "train" and r["step"]]
+    assert len(trained) == 16 and all(set(r["rewards"]) == {"answer", "short"} for r in trained)
+    assert trained[0]["prompt"][0]["role"] == "system"
+
+
 # ---------------------------------------------------------------- keeping and resuming runs
 
 RESUME_CHILD = """

@@ -10,9 +10,17 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 
 from areal_aio.seeds import uniform
 from areal_aio.weight_store import WeightStore
-from workers import engine as engine_module
-from workers.engine import HEADROOM_TOKENS, Engine, Request, _draw, _Seq, _tail_buckets, _top_p
-from workers.models import TINY, encode_prompt, load_model
+from areal_aio.workers import engine as engine_module
+from areal_aio.workers.engine import (
+    HEADROOM_TOKENS,
+    Engine,
+    Request,
+    _draw,
+    _Seq,
+    _tail_buckets,
+    _top_p,
+)
+from areal_aio.workers.models import TINY, encode_prompt, load_model
 
 PROMPTS = ["Calculate 3 + 4.", "What is 12 - 5? Put the answer in <answer></answer> tags.", "Hi",
            "Calculate 7 * 8 and explain every step of the way, slowly and carefully."]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from workers import losses
+from areal_aio.workers import losses
 
 EPS = losses.ADV_EPS
 

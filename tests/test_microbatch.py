@@ -7,7 +7,7 @@ import random
 import torch
 
 from areal_aio import wire
-from workers.microbatch import (
+from areal_aio.workers.microbatch import (
     build_micro_batch,
     build_packed_micro_batch,
     group_row_length,

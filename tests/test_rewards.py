@@ -1,4 +1,5 @@
 import asyncio
+import itertools
 import os
 import subprocess
 import sys
@@ -6,7 +7,18 @@ import time
 
 import pytest
 
-from areal_aio.rewards import AnswerReward, Score, Scorer, as_score, final_answer, same_answer
+from areal_aio.rewards import (
+    AnswerReward,
+    Reward,
+    Score,
+    Scorer,
+    as_score,
+    check_columns,
+    final_answer,
+    load_rewards,
+    same_answer,
+)
+from areal_aio.settings import SettingsError, build_settings
 from areal_aio.tasks import Task
 
 T = Task("t", "Calculate 3 + 4.", "7")
@@ -167,3 +179,154 @@ def test_a_hung_sync_reward_times_out_and_the_process_still_exits(fn, procs):
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["failed", "1"]
     assert time.perf_counter() - t0 < 30
+
+
+# ---------------------------------------------------------------- rewards named in settings
+
+USER_REWARDS = '''
+import asyncio, os
+from areal_aio.rewards import Score
+
+def exact(task, completion):
+    return float(completion.strip() == task.answer)
+
+def by_level(task, completion, level, bonus=0.0):
+    return float(level) + bonus
+
+def every_column(task, completion, **columns):
+    return float(sum(columns.values()))
+
+async def judged(task, completion):
+    await asyncio.sleep(0)
+    return Score(0.5, passed=False)
+
+def pid(task, completion):
+    return float(os.getpid())
+
+def broken(task, completion):
+    raise ValueError("no")
+
+class Judge:
+    def score(self, task, completion):
+        return 2.0
+
+JUDGE = Judge()
+NOT_CALLABLE = 3
+
+def one_arg(completion):
+    return 1.0
+
+def trl_style(prompts, completions, **kwargs):
+    return [1.0 for _ in completions]
+
+def positional_only(task, completion, level, /):
+    return 1.0
+'''
+MODULES = itertools.count()
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A module of reward functions importable by name here and in the pool's processes."""
+    name = f"byo_rewards_{os.getpid()}_{next(MODULES)}"
+    (tmp_path / f"{name}.py").write_text(USER_REWARDS)
+    (tmp_path / f"{name}_raises.py").write_text("raise RuntimeError('boom')\n")
+    (tmp_path / f"{name}_needs.py").write_text("import not_installed_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def task_settings(reward):
+    return build_settings({"task": {"reward": reward}}).task
+
+
+def test_each_reward_form_loads(user_module):
+    m = user_module
+    builtin = load_rewards(task_settings("answer"))
+    assert builtin == Reward("answer", AnswerReward(0.2))
+    exact = load_rewards(task_settings(f"{m}:exact"))
+    assert exact.name == "exact" and exact.fn(T, " 7") == 1.0 and exact.columns == () and exact.required == ()
+    level = load_rewards(task_settings(f"{m}:by_level"))
+    assert level.columns == ("level", "bonus") and level.required == ("level",)
+    assert load_rewards(task_settings(f"{m}:every_column")).columns is None
+    assert load_rewards(task_settings(f"{m}:JUDGE.score")).fn(T, "x") == 2.0
+    several = load_rewards(task_settings(["answer", {"fn": f"{m}:judged", "weight": 2.0},
+                                          {"fn": f"{m}:exact", "weight": -0.5, "name": "penalty"}]))
+    assert [(r.name, r.weight) for r in several] == [("answer", 1.0), ("judged", 2.0), ("penalty", -0.5)]
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("no_such_module_xyz:fn", "task.reward: cannot import 'no_such_module_xyz' (no module named "
+                              "'no_such_module_xyz'); install it or run from the folder that holds it"),
+    ("{m}:exactt", "task.reward: '{m}:exactt': '{m}' has no 'exactt'; did you mean 'exact'?"),
+    ("{m}_raises:fn", "task.reward: importing '{m}_raises' failed: RuntimeError: boom"),
+    ("{m}_needs:fn", "task.reward: importing '{m}_needs' failed: ModuleNotFoundError: No module named "
+                     "'not_installed_dependency'"),
+    ("{m}:Judge", "task.reward: '{m}:Judge' is a class; name a function (or a callable instance)"),
+    ("{m}:NOT_CALLABLE", "task.reward: '{m}:NOT_CALLABLE' is a int, not a function"),
+    ("{m}:one_arg", "task.reward: '{m}:one_arg' takes (completion), but a reward is called as "
+                    "fn(task, completion, **columns)"),
+    ("{m}:trl_style", "(a TRL reward takes lists and returns a list: score one completion and return a float)"),
+    ("{m}:positional_only", "its positional-only 'level' cannot be given"),
+])
+def test_a_reward_that_cannot_be_used_is_one_clear_line(user_module, spec, needle):
+    with pytest.raises(SettingsError) as info:
+        load_rewards(task_settings([spec.format(m=user_module)]))
+    assert needle.format(m=user_module) in str(info.value)
+
+
+async def test_weighted_rewards_are_summed_and_each_is_kept(user_module):
+    """answer inline-able but pooled here, by_level in the pool with its column, judged async on
+    the loop, pid in the pool (another process): each scored under the contract, then summed."""
+    m = user_module
+    rewards = load_rewards(task_settings(["answer", {"fn": f"{m}:by_level", "weight": 0.5},
+                                          {"fn": f"{m}:judged", "weight": 2.0}, {"fn": f"{m}:pid", "weight": 0}]))
+    task = Task("t", "Calculate 3 + 4.", "7", {"level": 3, "source": "x"})
+    scorer = Scorer(rewards, timeout_s=30, procs=1)
+    try:
+        score = await scorer.score(task, "<answer>7</answer>")
+    finally:
+        await scorer.aclose()
+    assert score.reward == pytest.approx(1.2 + 0.5 * 3 + 2.0 * 0.5)
+    assert score.passed and score.strict and not score.failed  # the first reward decides pass and strict
+    assert score.components["answer"] == pytest.approx(1.2) and score.components["by_level"] == 3.0
+    assert score.components["judged"] == 0.5 and score.components["pid"] not in (0.0, float(os.getpid()))
+
+
+async def test_a_failing_reward_of_a_set_scores_zero_the_others_count(user_module):
+    m = user_module
+    rewards = load_rewards(task_settings([f"{m}:exact", f"{m}:broken", f"{m}:by_level"]))
+    for procs in (0, 1):
+        scorer = Scorer(rewards, timeout_s=30, procs=procs)
+        try:
+            missing = await scorer.score(T, "7")  # T has no level column: by_level fails too
+            score = await scorer.score(Task("t", "p", "7", {"level": 2}), "7")
+        finally:
+            await scorer.aclose()
+        assert missing.components == {"exact": 1.0, "broken": 0.0, "by_level": 0.0} and missing.failed
+        assert score.reward == 3.0 and score.components["broken"] == 0.0 and score.failed
+        assert scorer.failures == 3 and missing.passed and score.passed  # exact's: the first decides
+
+
+async def test_columns_reach_a_reward_as_keywords_in_every_place_it_runs(user_module):
+    m = user_module
+    task = Task("t", "p", "7", {"level": 2, "bonus": 0.25, "other": 100})
+    for spec, expected in ((f"{m}:by_level", 2.25), (f"{m}:every_column", 102.25)):
+        for procs in (0, 1):
+            scorer = Scorer(load_rewards(task_settings(spec)), timeout_s=30, procs=procs)
+            try:
+                score = await scorer.score(task, "x")
+            finally:
+                await scorer.aclose()
+            assert score.reward == expected and not score.failed and score.components is None, (spec, procs)
+
+
+def test_a_required_column_missing_from_the_rows_is_named(user_module):
+    rewards = load_rewards(task_settings([f"{user_module}:exact", f"{user_module}:by_level"]))
+    check_columns(rewards, [Task("1", "p", "1", {"level": 1}), Task("2", "p", "2", {"level": 2, "bonus": 1})])
+    with pytest.raises(SettingsError, match=r"'by_level' requires a 'level' argument, and task '2' has no "
+                                            r"such column \(its extra columns: bonus\)"):
+        check_columns(rewards, [Task("1", "p", "1", {"level": 1}), Task("2", "p", "2", {"bonus": 1})])
+    with pytest.raises(SettingsError, match="generated tasks have no columns"):
+        check_columns(rewards, None)
+    check_columns(load_rewards(task_settings(f"{user_module}:every_column")), None)  # **kwargs needs none

@@ -1,4 +1,4 @@
-"""The rollout worker as a real subprocess (`python -m workers.rollout`) on embedded:tiny-random."""
+"""The rollout worker as a real subprocess (`python -m areal_aio.workers.rollout`) on embedded:tiny-random."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from areal_aio import wire
 from areal_aio.settings import build_settings
 from areal_aio.weight_store import WeightStore
-from workers.models import TINY, encode_prompt, load_model
+from areal_aio.workers.models import TINY, encode_prompt, load_model
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ enough that an UpdateWeights sent after a short request finished lands mid-gener
 
 NOISY_MAIN = """
 import os, sys
-from workers import rollout
+from areal_aio.workers import rollout
 handle = rollout.RolloutWorker._handle
 def noisy(self, msg, channel):
     print("stray print from python")
@@ -46,7 +46,7 @@ class WorkerProcess:
     def __init__(self, tmp: Path, overrides: tuple[str, ...] = (), code: str | None = None) -> None:
         self.settings = build_settings({}, (f"model.path={TINY}", "run.seed=3", *overrides))
         self.log = tmp / "rollout.log"
-        argv = [sys.executable, "-c", code] if code else [sys.executable, "-m", "workers.rollout"]
+        argv = [sys.executable, "-c", code] if code else [sys.executable, "-m", "areal_aio.workers.rollout"]
         self.proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=open(self.log, "wb"), env=dict(os.environ))
         self.inbox: queue.Queue = queue.Queue()
@@ -225,3 +225,25 @@ def test_a_crash_reaches_the_parent_as_error_with_traceback(spawn, tmp_path):
     assert "WeightStoreError" in err.message and "Traceback" in err.traceback
     assert "load_weights" in err.traceback
     assert w.recv() is None and w.proc.wait(timeout=REPLY_TIMEOUT_S) == 1
+
+
+def test_a_chat_is_templated_whole_with_its_system_turn(spawn, weights):
+    """Generate.messages (a chat task) goes through the chat template as it is, its own system
+    turn in place of model.system_prompt's; a plain prompt still gets model.system_prompt."""
+    models, tok, _ = weights
+    chat = [{"role": "system", "content": "Reply with a number."},
+            {"role": "user", "content": "Calculate 1 + 1."}, {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "Calculate 2 + 2."}]
+    w = spawn("model.system_prompt='Be brief.'")
+    w.send(wire.Generate("chat", chat[-1]["content"], 4, 0.0, messages=chat))
+    w.send(wire.Generate("user", chat[-1]["content"], 4, 0.0, messages=chat[1:]))
+    w.generate("plain", "Calculate 2 + 2.", 4, temperature=0.0)
+    done, _ = w.collect(3)
+    text = {rid: tok.decode(c.prompt_ids) for rid, c in done.items()}
+    assert done["chat"].prompt_ids == encode_prompt(tok, chat)
+    assert "Reply with a number." in text["chat"] and "Be brief." not in text["chat"]
+    assert text["chat"].count("<|im_start|>user") == 2 and "<|im_start|>assistant\n2<|im_end|>" in text["chat"]
+    assert text["user"].startswith("<|im_start|>system\nBe brief.") and text["user"].count("<|im_start|>user") == 2
+    assert done["plain"].prompt_ids == encode_prompt(tok, "Calculate 2 + 2.", "Be brief.")
+    _check_logprobs(models, done["chat"])
+    assert w.shutdown() == 0

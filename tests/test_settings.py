@@ -106,3 +106,69 @@ def test_on_off_keys_take_booleans_and_reject_other_text():
         build_settings({}, ["trainer.bf16=maybe"])
     with pytest.raises(SettingsError, match="rollout.interrupt"):  # a real bool key stays strict
         build_settings({}, ["rollout.interrupt=on"])
+
+
+@pytest.mark.parametrize("raw,sets,needle", [
+    ({"trainer": {"learning_rate": 1e-5}}, [], "'trainer.learning_rate'; did you mean 'trainer.lr' (TRL's learning_rate)?"),
+    ({}, ["trainer.num_generations=4"], "did you mean 'rollout.group_size' (TRL's num_generations)?"),
+    ({}, ["trainer.beta=0.04"], "did you mean 'trainer.kl_coef' (TRL's beta)?"),
+    ({"rollout": {"max_completion_length": 32}}, [], "did you mean 'rollout.max_new_tokens' (TRL's max_completion_length)?"),
+    ({}, ["trainer.per_device_train_batch_size=8"], "did you mean 'trainer.batch_size' (TRL's per_device_train_batch_size)?"),
+    ({"trainer": {"temperature": 1.0}}, [], "did you mean 'rollout.temperature' (TRL's temperature)?"),
+    ({"trainer": {"epsilon": 0.2}}, [], "did you mean 'trainer.clip_eps' (TRL's epsilon)?"),
+    ({"learning_rate": 1e-5}, [], "unknown settings section 'learning_rate'; did you mean 'trainer.lr' (TRL's learning_rate)?"),
+    ({}, ["num_generations=4"], "did you mean 'rollout.group_size' (TRL's num_generations)?"),
+    ({"run": {"lr": 1e-5}}, [], "unknown settings key 'run.lr'; did you mean 'trainer.lr'?"),
+])
+def test_trl_names_and_keys_of_another_section_get_hints(raw, sets, needle):
+    with pytest.raises(SettingsError) as info:
+        build_settings(raw, sets)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("reward,needle", [
+    ("mypkg.rewards.exact", "'mypkg.rewards.exact' is not package.module:function nor a built-in reward "
+                            "(answer); did you mean 'mypkg.rewards:exact'?"),
+    ("exact", "'exact' is not package.module:function nor a built-in reward"),
+    ("", "task.reward: expected \"package.module:function\""),
+    ([], "task.reward: expected \"package.module:function\""),
+    (3, "task.reward: expected \"package.module:function\""),
+    ([3], "task.reward: 3 is not package.module:function nor a built-in reward"),
+    (["a.b:score", "c:score"], "two rewards are named 'score'; give one a name"),
+    ([{"fn": "a:b", "weight": "high"}], "the weight of 'a:b' must be a finite number, got 'high'"),
+    ([{"fn": "a:b", "weight": float("inf")}], "the weight of 'a:b' must be a finite number"),
+    ([{"fn": "a:b", "wieght": 2}], "unknown key 'wieght'"),
+    ([{"weight": 2}], "is not a reward"),
+    ([{"fn": "a:b", "name": ""}], "the name of 'a:b' must be a non-empty string"),
+])
+def test_bad_reward_settings_name_the_key(reward, needle):
+    with pytest.raises(SettingsError) as info:
+        build_settings({"task": {"reward": reward}})
+    assert needle in str(info.value)
+
+
+def test_reward_forms_round_trip_through_the_resolved_file():
+    from areal_aio.settings import resolved_settings, reward_parts
+
+    assert build_settings({}).task.reward == "answer"
+    for reward in ("mypkg.rewards:exact", ["answer", "mypkg.rewards:Judge.score"],
+                   ["answer", {"fn": "mypkg.rewards:exact", "weight": 0.5, "name": "short"}]):
+        s = build_settings({"task": {"reward": reward}})
+        assert build_settings(tomllib.loads(s.to_toml())) == s == resolved_settings(s.to_dict())
+    assert reward_parts("task.reward", ["answer", "mypkg.rewards:Judge.score", {"fn": "m:f", "weight": 2}]) == [
+        ("answer", "answer", 1.0), ("score", "mypkg.rewards:Judge.score", 1.0), ("f", "m:f", 2.0)]
+    s = build_settings({}, ['task.reward=[{fn = "m:f", weight = -0.1}]'])  # a penalty is a negative weight
+    assert s.task.reward == [{"fn": "m:f", "weight": -0.1}]
+
+
+@pytest.mark.parametrize("name,package", [("parquet", "pyarrow"), ("datasets", "datasets")])
+def test_a_task_format_whose_package_is_missing_is_one_line(monkeypatch, name, package):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == package else real(n, *a))
+    with pytest.raises(SettingsError) as info:
+        build_settings({"task": {"name": name, "path": "tasks"}})
+    assert str(info.value) == f"task.name: '{name}' needs the {package} package: pip install 'areal_aio[data]'"
+    with pytest.raises(SettingsError, match=f"task.path: required when task.name = '{name}'"):
+        build_settings({"task": {"name": name}})

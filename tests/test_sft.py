@@ -97,13 +97,13 @@ def test_sft_eval_set_is_the_head_of_the_held_out_set():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from workers.models import TINY, load_tokenizer
+    from areal_aio.workers.models import TINY, load_tokenizer
 
     return load_tokenizer(TINY)
 
 
 def test_tokenize_gives_the_rollout_prompt_and_the_turn_up_to_eos(tokenizer):
-    from workers.models import encode_prompt
+    from areal_aio.workers.models import encode_prompt
 
     pair = Pair("Calculate 4 - 1 - 7.", "Step 1: 4 - 1 = 3\nStep 2: 3 - 7 = -4\n<answer>-4</answer>")
     prompt, completion = tokenize(tokenizer, pair)

@@ -1,9 +1,18 @@
 import itertools
 
+import orjson
 import pytest
 
 from areal_aio.settings import build_settings
-from areal_aio.tasks import ANSWER_INSTRUCTION, eval_tasks, read_jsonl, training_tasks
+from areal_aio.tasks import (
+    ANSWER_INSTRUCTION,
+    eval_tasks,
+    read_dataset,
+    read_jsonl,
+    read_parquet,
+    read_tasks,
+    training_tasks,
+)
 
 
 def test_arithmetic_stream_is_two_term_single_digit_and_seeded():
@@ -67,3 +76,90 @@ def test_streams_resume_at_any_position(tmp_path):
     js = build_settings({}, ["task.name=jsonl", f"task.path={str(rows)!r}", "task.eval_size=1"])
     cycled = list(itertools.islice(training_tasks(js), 12))
     assert list(itertools.islice(training_tasks(js, start=6), 6)) == cycled[6:]
+
+
+CHAT = [{"role": "system", "content": "Answer tersely."}, {"role": "user", "content": "What is 2 + 3?"}]
+
+
+def rows_file(tmp_path, rows: list[dict]) -> str:
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+    return str(path)
+
+
+def test_chat_rows_and_extra_columns(tmp_path):
+    """{messages, answer} and {prompt: [turns], answer} are chats; other columns travel in extra."""
+    path = rows_file(tmp_path, [
+        {"messages": CHAT, "answer": 5, "difficulty": 2, "tags": ["add"]},
+        {"prompt": CHAT[1:], "answer": "5", "id": "b"},
+        {"prompt": "Say 5.", "answer": "5", "solution": {"steps": [5]}},
+    ])
+    chat, listed, plain = read_jsonl(path)
+    assert chat.prompt == CHAT and chat.messages == CHAT and chat.text == "What is 2 + 3?"
+    assert chat.answer == "5" and chat.extra == {"difficulty": 2, "tags": ["add"]} and chat.id == "1"
+    assert listed.messages == CHAT[1:] and listed.id == "b" and listed.extra == {}
+    assert plain.messages is None and plain.text == "Say 5." and plain.extra == {"solution": {"steps": [5]}}
+
+
+@pytest.mark.parametrize("row,needle", [
+    ({"messages": CHAT + [{"role": "assistant", "content": "5"}], "answer": 5}, "must end with a user turn"),
+    ({"messages": [{"role": "robot", "content": "hi"}], "answer": 5}, "messages[0] is {'role': 'robot'"),
+    ({"messages": [{"role": "user"}], "answer": 5}, "messages[0] is {'role': 'user'}"),
+    ({"messages": [], "answer": 5}, "must end with a user turn"),
+    ({"messages": "What is 2 + 3?", "answer": 5}, "messages is 'What is 2 + 3?'"),
+    ({"messages": CHAT}, "no answer"),
+    ({"messages": CHAT, "prompt": "x", "answer": 5}, "both prompt and messages"),
+    ({"answer": 5}, "no prompt"),
+])
+def test_bad_chat_rows_name_the_line(tmp_path, row, needle):
+    path = rows_file(tmp_path, [{"prompt": "fine", "answer": 1}, row])
+    with pytest.raises(ValueError, match=r"rows.jsonl:2: ") as info:
+        read_jsonl(path)
+    assert needle in str(info.value)
+
+
+def test_parquet_file_is_a_task_source(tmp_path):
+    import pyarrow  # the data extra; dev installs it
+    import pyarrow.parquet as pq
+
+    rows = [{"messages": CHAT, "answer": str(i), "difficulty": i} for i in range(6)]
+    pq.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "tasks.parquet")
+    s = build_settings({"task": {"name": "parquet", "path": str(tmp_path / "tasks.parquet"), "eval_size": 2}})
+    tasks = read_tasks(s.task)
+    assert [t.answer for t in tasks] == [str(i) for i in range(6)]
+    assert tasks[3].messages == CHAT and tasks[3].extra == {"difficulty": 3} and tasks[3].id == "4"
+    assert [t.answer for t in eval_tasks(s)] == ["4", "5"]
+    assert [t.answer for t in itertools.islice(training_tasks(s), 5)] == ["0", "1", "2", "3", "0"]
+    pq.write_table(pyarrow.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": None, "answer": "2"}]),
+                   tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"bad.parquet: row 2: prompt is None"):
+        read_parquet(tmp_path / "bad.parquet")
+    (tmp_path / "not.parquet").write_text("prompt,answer\n")
+    with pytest.raises(ValueError, match=r"not.parquet: not a Parquet file"):
+        read_parquet(tmp_path / "not.parquet")
+    pq.write_table(pyarrow.Table.from_pylist([{"prompt": "a", "answer": "1", "blob": b"\x00"}]),
+                   tmp_path / "blob.parquet")
+    with pytest.raises(ValueError, match=r"blob.parquet: row 1: a column holds a value that is not JSON"):
+        read_parquet(tmp_path / "blob.parquet")
+
+
+def test_datasets_folder_is_a_task_source(tmp_path):
+    import datasets  # the data extra; dev installs it
+
+    rows = {"prompt": [f"q{i}" for i in range(5)], "answer": [i for i in range(5)], "level": list(range(5))}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "plain"))
+    tasks = read_dataset(tmp_path / "plain")
+    assert [(t.prompt, t.answer, t.extra) for t in tasks[:2]] == [("q0", "0", {"level": 0}), ("q1", "1", {"level": 1})]
+    chat = datasets.Dataset.from_list([{"messages": CHAT, "answer": "5"}])
+    datasets.DatasetDict({"train": chat, "test": datasets.Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "dd"))
+    s = build_settings({"task": {"name": "datasets", "path": str(tmp_path / "dd")}})
+    (task,) = read_tasks(s.task)  # the train split
+    assert task.messages == CHAT and task.text == "What is 2 + 3?"
+    datasets.DatasetDict({"a": chat, "b": chat}).save_to_disk(str(tmp_path / "two"))
+    with pytest.raises(ValueError, match=r"splits a, b and no train split"):
+        read_dataset(tmp_path / "two")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty: not a folder written by datasets' save_to_disk"):
+        read_dataset(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError):
+        read_dataset(tmp_path / "missing")

@@ -31,13 +31,16 @@ def test_names_are_namespaced_and_unique():
 
 def test_metrics_keep_every_number_and_nothing_else():
     step = {"kind": "step", "step": 3, "reward_mean": 0.5, "loss": -0.1, "staleness_max": 2,
-            "mismatch_kl": None, "new_thing": 7, "reward/format": 0.2, "flag": True, "tags": [1]}
+            "mismatch_kl": None, "new_thing": 7, "reward/format": 0.2, "perf/own": 1, "flag": True,
+            "tags": [1]}
     assert metrics(step) == {"train/reward": 0.5, "train/loss": -0.1, "staleness/max": 2.0,
-                             "train/new_thing": 7.0, "reward/format": 0.2}
+                             "train/new_thing": 7.0, "train/reward/format": 0.2, "perf/own": 1.0}
     ev = {"kind": "eval", "step": 4, "version": 4, "pass_rate": 0.25, "strict_rate": 0.125,
-          "reward_mean": 0.3, "wall_s": 1.5, "done_s": 2.0, "versions": [3, 4], "extra": 1}
+          "reward_mean": 0.3, "wall_s": 1.5, "done_s": 2.0, "versions": [3, 4], "extra": 1,
+          "reward/format": 0.1}
     assert metrics(ev) == {"eval/version": 4.0, "eval/pass_rate": 0.25, "eval/strict_rate": 0.125,
-                           "eval/reward": 0.3, "eval/wall_s": 1.5, "eval/done_s": 2.0, "eval/extra": 1.0}
+                           "eval/reward": 0.3, "eval/wall_s": 1.5, "eval/done_s": 2.0, "eval/extra": 1.0,
+                           "eval/reward/format": 0.1}
 
 
 async def test_every_field_of_a_real_step_row_has_a_listed_name(tmp_path):

@@ -8,9 +8,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_aio import wire
 from areal_aio.weight_store import WeightStore
-from workers import checkpoint
-from workers.models import TINY, load_model
-from workers.trainer import Trainer
+from areal_aio.workers import checkpoint
+from areal_aio.workers.models import TINY, load_model
+from areal_aio.workers.trainer import Trainer
 
 
 def trainer(tmp_path, name: str) -> Trainer:

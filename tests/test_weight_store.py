@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from areal_aio import weight_store
 from areal_aio.safetensors_io import load_weights
 from areal_aio.weight_store import WeightStore, WeightStoreError, sweep_dead_runs
-from workers.models import TINY, load_model
+from areal_aio.workers.models import TINY, load_model
 
 REPO = Path(__file__).resolve().parent.parent
 

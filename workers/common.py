@@ -1,6 +1,6 @@
 """What both worker processes share: the pipe, the process rules, the error path.
 
-A worker is started by the controller as `python -m workers.<role>` (a fresh
+A worker is started by the controller as `python -m areal_aio.workers.<role>` (a fresh
 interpreter: spawn, never fork after CUDA) with stdin/stdout as its pipe.
 
     fd 0 (stdin)  <- frames from the controller, read by a reader thread into a queue

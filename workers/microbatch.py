@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from areal_aio import wire
-from workers.packing import micro_batches
+from areal_aio.workers.packing import micro_batches
 
 PACKED_ATTENTION = ("sdpa", "eager")
 """Attention implementations that take a custom 4D mask as given (transformers returns a 4D

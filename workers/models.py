@@ -13,7 +13,7 @@ folder renamed into place, so two workers starting together convert once and
 a crash mid-conversion leaves no half folder. torch and transformers are
 imported inside functions: the controller imports this module for paths only.
 
-Run `python -m workers.models prepare SPEC` to fill the cache ahead of a run.
+Run `python -m areal_aio.workers.models prepare SPEC` to fill the cache ahead of a run.
 """
 
 from __future__ import annotations
@@ -206,10 +206,16 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32", device: str 
     return model, tok
 
 
-def encode_prompt(tok: Any, prompt: str, system_prompt: str = "") -> list[int]:
-    """The chat template, applied the same way by every worker, eval and benchmark."""
+def encode_prompt(tok: Any, prompt: str | list[dict[str, str]], system_prompt: str = "") -> list[int]:
+    """The chat template, applied the same way by every worker, eval and benchmark. `prompt`:
+    a user message, or a chat's turns (the system prompt goes first unless it has its own)."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": prompt})
+    if isinstance(prompt, str):
+        messages.append({"role": "user", "content": prompt})
+    elif prompt and prompt[0]["role"] == "system":
+        messages = list(prompt)
+    else:
+        messages.extend(prompt)
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
         ids = ids["input_ids"]
@@ -219,7 +225,7 @@ def encode_prompt(tok: Any, prompt: str, system_prompt: str = "") -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] != "prepare":
-        print("usage: python -m workers.models prepare SPEC", file=sys.stderr)
+        print("usage: python -m areal_aio.workers.models prepare SPEC", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     try:

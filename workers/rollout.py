@@ -1,9 +1,9 @@
-"""The rollout worker process: `python -m workers.rollout`, the Engine behind a pipe.
+"""The rollout worker process: `python -m areal_aio.workers.rollout`, the Engine behind a pipe.
 
     Init -> configure_torch, load_model -> Ready(version 0)
     loop:
         messages (never blocking while there is work; blocking recv when idle):
-            Generate      -> engine.add (prompt through the chat template)
+            Generate      -> engine.add (prompt, or a chat's messages, through the chat template)
             Abort         -> engine.abort -> Completion(finish="abort"); unknown ids ignored
             UpdateWeights -> pending (a newer one supersedes an older one not yet loaded)
             Shutdown, EOF -> return
@@ -24,9 +24,9 @@ from typing import Any
 
 from areal_aio import wire
 from areal_aio.settings import Settings
-from workers.common import EOF, Channel, configure_torch, serve
-from workers.engine import Engine, Request
-from workers.models import encode_prompt, load_model
+from areal_aio.workers.common import EOF, Channel, configure_torch, serve
+from areal_aio.workers.engine import Engine, Request
+from areal_aio.workers.models import encode_prompt, load_model
 
 IDLE_WAIT_S = 1.0
 """Blocking wait for a message when there is nothing to generate (wakes at once on a message)."""
@@ -69,7 +69,7 @@ class RolloutWorker:
     def _handle(self, msg: Any, channel: Channel) -> None:
         match msg:
             case wire.Generate():
-                ids = encode_prompt(self.tokenizer, msg.prompt, self.system_prompt)
+                ids = encode_prompt(self.tokenizer, msg.messages or msg.prompt, self.system_prompt)
                 self.engine.add(Request(msg.request_id, ids, msg.max_new_tokens,
                                         msg.temperature, msg.top_p, msg.seed))
             case wire.Abort():

@@ -13,7 +13,7 @@
       v  publish v<version+1> in the rollout dtype, version += 1
     Trained(step, version + 1, path, stats)
 
-Run as `python -m workers.trainer` (workers.common.serve speaks the pipe), or
+Run as `python -m areal_aio.workers.trainer` (workers.common.serve speaks the pipe), or
 use `Trainer` in-process (tests, benchmarks).
 
 Log-probs are taken under the sampling distribution: logits / rollout
@@ -62,10 +62,15 @@ import torch
 from areal_aio import wire
 from areal_aio.settings import SFT, Settings, TrainerSettings
 from areal_aio.weight_store import WeightStore
-from workers import checkpoint, losses
-from workers.common import EOF, Channel, configure_torch, serve
-from workers.microbatch import PACKED_ATTENTION, MicroBatch, check_samples, plan_micro_batches
-from workers.models import load_model
+from areal_aio.workers import checkpoint, losses
+from areal_aio.workers.common import EOF, Channel, configure_torch, serve
+from areal_aio.workers.microbatch import (
+    PACKED_ATTENTION,
+    MicroBatch,
+    check_samples,
+    plan_micro_batches,
+)
+from areal_aio.workers.models import load_model
 
 HEAD_CHECK_ATOL = 1e-4
 """Chunked head vs the model's own logits at init: fp32 agreement well inside this means the
