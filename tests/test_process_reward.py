@@ -259,3 +259,37 @@ async def test_a_cancelled_run_with_continuations_in_flight_does_not_hang(tmp_pa
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(run, 10)
     assert (tmp_path / "run" / "summary.json").exists()
+
+
+# ---------------------------------------------------------------------- real workers
+
+
+@pytest.mark.slow
+async def test_process_mode_on_the_real_workers_scores_steps_and_counts_continuations(tmp_path):
+    from step_model import PROMPTS, REPLY, build_step_model
+
+    model = build_step_model(tmp_path / "model")
+    answers = ("4", "5")  # the model always answers 4: one task right, one wrong
+    tasks = itertools.cycle([Task(f"t{i}", p, a) for i, (p, a) in enumerate(zip(PROMPTS, answers, strict=True))])
+    settings = build_settings({}, [
+        f"model.path={orjson.dumps(str(model)).decode()}", "process.mode=process",
+        "process.continuations=2", "process.max_scored_steps=2", "rollout.max_new_tokens=40",
+        "rollout.group_size=4", "trainer.batch_size=8", "run.max_steps=2", "task.eval_every=2",
+        "run.progress=false", "run.checkpoint_every=0", "controller.reward_procs=0", "trainer.bf16=false"])
+    orch = Orchestrator(settings, tasks=tasks, eval_set=[Task("e0", PROMPTS[0], "4")], out_dir=tmp_path / "run")
+    summary = await asyncio.wait_for(orch.run(), 300)
+    assert summary["error"] is None and summary["steps"] == 2
+    assert summary["continuation_requests"] > 0 and summary["continuation_tokens"] > 0
+    assert summary["cost_multiple"] == (summary["gen_tokens"] + summary["continuation_tokens"]) / summary["gen_tokens"] > 1
+    trained = [r for r in rows(tmp_path / "run", "samples.jsonl") if r["kind"] == "train" and r["step"]]
+    assert len(trained) == 16 and all(r["process"] is not None for r in trained)
+    exact = [r for r in trained if r["reply"] == REPLY]
+    assert len(exact) >= 8  # the model writes its reply; continuations from its steps write the rest
+    for r in exact:
+        p = r["process"]
+        assert p["steps"] == 2 and p["valid"] and len(p["c"]) == 2 and p["tokens"] > 0
+        if r["answer"] == "4":  # every continuation ends in 4: c = [1, 1]; format + 2 steps + R_proc
+            assert p["c"] == [1.0, 1.0] and r["reward"] == pytest.approx(0.2 + 0.1 + 1.0)
+        else:  # no continuation can be right: R_proc 0 < tau with a wrong answer: gated
+            assert p["c"] == [0.0, 0.0] and p["gated"] and r["reward"] == 0.0
+    assert not orch.store.root.exists()
