@@ -261,6 +261,33 @@ async def test_a_cancelled_run_with_continuations_in_flight_does_not_hang(tmp_pa
     assert (tmp_path / "run" / "summary.json").exists()
 
 
+async def test_a_resumed_run_continues_the_continuation_counters_and_scores_alike(tmp_path):
+    import shutil
+
+    from areal_aio import checkpoint
+
+    folder = tmp_path / "run"
+    settings = settings_for("process", **{"run.checkpoint_every": 2, "run.keep_checkpoints": 2})
+    await orchestrator(tmp_path, settings, Recording(tokens=4)).run()
+    shutil.rmtree(folder / "checkpoints" / "step-000004")  # as if it died after step 2's checkpoint
+    saved = checkpoint.latest(folder).state["process"]
+    assert saved["requests"] > 0 and saved["tokens"] > 0
+    rollout = Recording(tokens=4)
+    summary = await Orchestrator(settings, tasks=step_tasks(), eval_set=list(itertools.islice(step_tasks(100), 4)),
+                                 resume=folder, rollout=rollout, trainer=FakeTrainer()).run()
+    sent = [m for m in rollout.sent if isinstance(m, wire.Generate) and m.prefix]
+    assert summary["continuation_requests"] == saved["requests"] + len(sent)
+    whole = tmp_path / "whole"
+    await Orchestrator(settings, tasks=step_tasks(), eval_set=list(itertools.islice(step_tasks(100), 4)),
+                       out_dir=whole, rollout=Recording(tokens=4), trainer=FakeTrainer()).run()
+
+    def trained(path):
+        return [(r["step"], r["request_id"], r["reward"], r["process"]["c"])
+                for r in rows(path, "samples.jsonl") if r["kind"] == "train" and r["step"]]
+
+    assert trained(folder) == trained(whole)
+
+
 # ---------------------------------------------------------------------- real workers
 
 
