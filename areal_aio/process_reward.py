@@ -2,7 +2,8 @@
 
     trained reply --steps.parse--> K scorable steps (labelled 1..K in order, before the answer)
       for i in 1..min(K, K_max), prefix s_1..s_i:
-        M continuations = Generate(prompt, prefix=s_1..s_i) at rollout.temperature, seeds
+        M continuations = Generate(prompt, prefix=s_1..s_i) at rollout.temperature and top_p, each
+            up to rollout.max_new_tokens, seeds
             continuation_seed(run seed, group, sample, retry, i, j), ids p<group>.<sample>.<retry>.<i>.<j>
         c_i = share of them whose final answer (prefix + continuation, the run's scorer) is correct
       R_proc = mean of the c_i (0 for a reply with no scorable step)

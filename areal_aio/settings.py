@@ -25,9 +25,10 @@ MODES = ("sync", "one_step", "areal")
 OBJECTIVES = ("pg", "ppo", "decoupled_ppo")
 ADVANTAGES = ("grpo", "drgrpo", "batch")
 CAP_MODES = ("mask", "clamp")
-PROCESS_MODES = ("off", "outcome", "process", "mixed")
 """The trainer's objectives, advantage kinds and cap modes: named here, the one home of the
 names (torch-free, so the controller and `check` read them); workers/losses.py implements them."""
+PROCESS_MODES = ("off", "outcome", "process", "mixed")
+"""process.mode: the built-in answer reward, or ProcessThinker's with one of three mixes."""
 UNBOUNDED = -1
 """`controller.max_staleness = -1` means no staleness bound (the ablation's 'unbounded')."""
 UNBOUNDED_IN_FLIGHT_BATCHES = 8
@@ -136,11 +137,11 @@ class ProcessSettings:
     format_weight * valid + min(step_bonus * K, step_bonus_cap) + lambda_acc * R_acc + lambda_proc * R_proc,
     replaced by `penalty` when R_proc < tau and the final answer is wrong (areal_aio/process_reward.py)."""
 
-    mode: str = opt("off", "off: the built-in answer reward (task.format_bonus), no step format | outcome | process | mixed: ProcessThinker's reward, presetting lambda_acc / lambda_proc / tau to 1 / 0 / 0 (outcome-only: no continuations), 0 / 1 / - (process-only) or 0.5 / 0.5 / - (mixed); a value given with --set wins over the preset.", choices=PROCESS_MODES)
+    mode: str = opt("off", "off: the built-in answer reward (task.format_bonus), no step format | outcome | process | mixed: ProcessThinker's reward, presetting lambda_acc / lambda_proc / tau to 1 / 0 / 0 (outcome-only: no continuations), 0 / 1 / - (process-only) or 0.5 / 0.5 / - (mixed; the paper does not give its mixed weights, these are ours); a value given with --set wins over the preset.", choices=PROCESS_MODES)
     continuations: int = opt(4, "M: continuations sampled from each step prefix on the rollout worker (never trained); a step's score is the share that reach the correct final answer. The paper's 4.", ge=1)
     max_scored_steps: int = opt(6, "K_max: the first this many steps of a reply are scored (M continuations each). The paper's 6.", ge=1)
     tau: float = opt(0.5, "Penalty gate: a reply whose process score is below tau and whose final answer is wrong gets `penalty` as its whole reward; 0 = no gate. The paper's 0.5.", ge=0, le=1)
-    penalty: float = opt(0.0, "The reward of a gated reply. 0: the paper's gate zeroes the reward.")
+    penalty: float = opt(0.0, "The reward of a gated reply. 0: the gate zeroes the reward, as the paper's does.")
     lambda_acc: float = opt(1.0, "Weight of the outcome reward R_acc (1 for a correct final answer, else 0); preset by process.mode.", ge=0)
     lambda_proc: float = opt(0.0, "Weight of the process reward R_proc (the mean step score, 0 for a reply without scorable steps); preset by process.mode. > 0 (or tau > 0) samples continuations.", ge=0)
     format_weight: float = opt(0.2, "Reward for a reply in the valid step format. The paper has a format reward; this weight is ours (the size of task.format_bonus).", ge=0)
