@@ -7,8 +7,10 @@
         |  Generate x G (one group)                       ^ capacity event: commit, drop
         v                                                 |
     rollout pipe ----> [rollout_reader] --Completion--> [score] (reward pool, timeout -> 0)
-                             |  WeightsLoaded               | group complete
-                             v                              v
+                             |  WeightsLoaded               |  process.mode: M continuations per step
+                             |  continuation -------------->|  prefix, awaited (process_reward.py);
+                             |    Completions               |  never trained, not admitted
+                             v                              v group complete (all samples scored)
                         events.jsonl                  ReplayBuffer (oldest first)
                                                             | take(B/G groups): staleness
                                                             | measured HERE, > eta dropped
@@ -61,7 +63,7 @@ from typing import Any
 
 import orjson
 
-from areal_aio import checkpoint, evaluation, wire
+from areal_aio import checkpoint, evaluation, process_reward, wire
 from areal_aio.client import PipeWorker, WorkerClient, WorkerFailed, ensure_model
 from areal_aio.progress import Progress
 from areal_aio.replay import Group, ReplayBuffer
@@ -95,6 +97,7 @@ class Sample:
     retries: int = 0
     completion: wire.Completion | None = None
     score: Score | None = None
+    process: dict | None = None  # process.mode: the process reward's record of this reply
 
     @property
     def oldest_version(self) -> int:
@@ -240,6 +243,8 @@ class Orchestrator:
         self._outstanding = 0  # Train and Save messages the trainer has not answered yet
         self._resumes: list[dict] = []
         self._spent = 0.0  # wall seconds of the run before this process (resume)
+        self._process = process_reward.StepCredit(settings, self._send_continuations,
+                                                  lambda task, text: self._scorer.score(task, text))
         if self._ckpt is not None:
             self._restore(state)
         r = settings.run
@@ -416,7 +421,7 @@ class Orchestrator:
                     self._rollout_busy.down()
                     if msg.request_id in self._eval_waiters:
                         self._eval_waiters.pop(msg.request_id).set_result(msg)
-                    else:
+                    elif not self._process.deliver(msg):
                         self._on_completion(msg)
                 case wire.WeightsLoaded():
                     self.log.events.info("weights_loaded", version=msg.version,
@@ -439,7 +444,7 @@ class Orchestrator:
         self.counts.generated += 1
         self.counts.gen_tokens += len(msg.completion_ids)
         self.counts.interrupts += msg.interrupts  # per sample in samples.jsonl; rebuilds in weights_loaded
-        if self._scorer.inline:
+        if self._scorer.inline and not self._process.enabled:
             self._scored(sample, group, self._scorer.score_inline(sample.task, msg.text))
         else:
             self._tg.create_task(self._score(sample, group), name=f"score-{msg.request_id}")
@@ -459,7 +464,20 @@ class Orchestrator:
         self._tg.create_task(self._generate(sample), name=f"restart-{sample.request_id}")
 
     async def _score(self, sample: Sample, group: PendingGroup) -> None:
-        self._scored(sample, group, await self._scorer.score(sample.task, sample.completion.text))
+        score = await self._scorer.score(sample.task, sample.completion.text)
+        if self._process.enabled:  # may await continuations: this group waits, the others go on
+            scored = await self._process.score(sample.task, sample.completion.text, score,
+                                               group=sample.group_id, index=sample.index,
+                                               retry=sample.retries)
+            if scored is None:
+                return  # the run stopped while its continuations were out
+            score, sample.process = scored
+        self._scored(sample, group, score)
+
+    async def _send_continuations(self, msgs: list[wire.Generate]) -> None:
+        for _ in msgs:
+            self._rollout_busy.up()
+        await self.rollout.send_many(msgs)
 
     def _scored(self, sample: Sample, group: PendingGroup, score: Score) -> None:
         """A sample's reward is in; a group whose every sample is scored enters the replay buffer."""
@@ -556,11 +574,14 @@ class Orchestrator:
             await asyncio.gather(*self._evals)
 
     async def _stop_generating(self) -> None:
-        """No more training rollouts: the final eval gets the rollout worker to itself."""
+        """No more training rollouts: the final eval gets the rollout worker to itself.
+        Continuations in flight are aborted too, and their replies are left unscored."""
         self._closing = True
         self._dispatcher.cancel()
         for rid in list(self._requests):
             await self.rollout.send(wire.Abort(rid))
+        if aborts := [wire.Abort(rid) for rid in self._process.close()]:
+            await self.rollout.send_many(aborts)
 
     def _should_stop(self) -> bool:
         return self._stop.is_set() or time.perf_counter() - self._t0 >= self.settings.run.max_wall_s
@@ -620,6 +641,9 @@ class Orchestrator:
                "gen_tokens_per_s": (self.counts.gen_tokens + self.counts.eval_tokens) / max(wall, 1e-9),
                "train_tokens_per_s": self.counts.trained_tokens / max(wall, 1e-9),
                **{k: v for k, v in trained.stats.items() if k not in ("step", "version")}}
+        if self._process.enabled:
+            row |= process_reward.step_fields([s.process for s in samples], self.counts.gen_tokens,
+                                              self._process)
         self.log.row("steps", row)
         self.log.events.info("version_commit", version=self.version, step=self.step)
         self._publish({"kind": "step", **row})
@@ -753,7 +777,8 @@ class Orchestrator:
             "time_to_threshold": self._time_to_threshold, "max_trained_staleness": self._max_trained_staleness,
             "best": self._best, "best_pending": self._best_pending,
             "busy": {"rollout": self._rollout_busy.seconds(), "trainer": self._trainer_busy.seconds()},
-            "rows": self.log.sizes(), "resumes": self._resumes, "settings": self.settings.to_dict()}
+            "rows": self.log.sizes(), "resumes": self._resumes, "settings": self.settings.to_dict(),
+            "process": self._process.state()}
 
     def _next_group(self) -> int:
         """The group id the next admitted group gets (peeked without using it)."""
@@ -778,6 +803,7 @@ class Orchestrator:
         self._rollout_busy.total, self._trainer_busy.total = state["busy"]["rollout"], state["busy"]["trainer"]
         self._redispatch = [(g["group"], Task(**g["task"])) for g in state["open_groups"]]
         self._resumes = list(state["resumes"])
+        self._process.restore(state.get("process"))
 
     def _resumed(self) -> None:
         lost = self.G * len(self._redispatch)
@@ -875,7 +901,8 @@ class Orchestrator:
             **({"rewards": s.score.components} if s.score and s.score.components else {}),
             "oldest_version": c.oldest_version if c else None, "newest_version": c.newest_version if c else None,
             "staleness": staleness, "interrupts": c.interrupts if c else None, "retries": s.retries,
-            "dropped": dropped, "step": step, "tokens": len(c.completion_ids) if c else 0})
+            "dropped": dropped, "step": step, "tokens": len(c.completion_ids) if c else 0,
+            **({"process": s.process} if s.process is not None else {})})
 
     # ------------------------------------------------------------------ summary
 
@@ -899,6 +926,7 @@ class Orchestrator:
             "threshold": s.run.threshold or None, "time_to_threshold_s": self._time_to_threshold,
             "reward_per_1k_tokens": 1000 * c.reward_sum / c.gen_tokens if c.gen_tokens else 0.0,
             "gen_tokens": c.gen_tokens, "eval_tokens": c.eval_tokens, "trained_tokens": c.trained_tokens,
+            "process_mode": s.process.mode, **self._process.stats(c.gen_tokens),
             "gen_tokens_per_s": (c.gen_tokens + c.eval_tokens) / wall if wall else 0.0,
             "train_tokens_per_s": c.trained_tokens / wall if wall else 0.0,
             "rollout_idle_frac": 1 - self._rollout_busy.seconds() / wall if wall else None,

@@ -4,7 +4,8 @@ They speak the real wire messages without a model: the fake rollout worker
 emits `tokens` tokens per request, one per `token_delay_s`, each stamped with
 the version it holds at that moment, and follows the interrupt rule of the
 real one (interrupt: switch versions at once; otherwise hold new requests, let
-the ones in flight finish on the old weights, load, then start the held ones). Its answer to a prompt comes from `policy(prompt, version)`.
+the ones in flight finish on the old weights, load, then start the held ones). Its answer to a prompt comes from `policy(prompt, version)`; a continuation
+(a Generate with a reply prefix) is answered by `continuation(msg, version)`.
 The fake trainer answers Train after `step_delay_s` with the next version, and
 Save by writing small stand-in files (a checkpoint part it can resume from: its
 version; a "model" folder with a config.json). Both record what happened (`log`) so tests can check ordering and overlap.
@@ -35,6 +36,11 @@ def solving_policy(prompt: str, version: int) -> str:
     return f"<answer>{answer}</answer>" if version >= 4 else f"It is {answer}."
 
 
+def policy_continuation(msg: wire.Generate, version: int) -> str:
+    """The default continuation: what the policy would answer, whatever the prefix."""
+    return solving_policy(msg.prompt, version)
+
+
 class _FakeWorker:
     async def send(self, msg: Any) -> None:
         raise NotImplementedError
@@ -50,7 +56,8 @@ class FakeRollout(_FakeWorker):
 
     def __init__(self, *, tokens: int = 4, token_delay_s: float = 0.0, interrupt: bool = True,
                  policy: Callable[[str, int], str] = solving_policy, fail_on: str | None = None,
-                 instant: bool = False) -> None:
+                 instant: bool = False,
+                 continuation: Callable[[wire.Generate, int], str] = policy_continuation) -> None:
         """instant: answer each Generate inside `send` (no task, no token loop): the cheapest
         possible worker, so a benchmark of the controller times the controller alone."""
         self.tokens = tokens
@@ -58,6 +65,7 @@ class FakeRollout(_FakeWorker):
         self.token_delay_s = token_delay_s
         self.interrupt = interrupt
         self.policy = policy
+        self.continuation = continuation
         self.fail_on = fail_on  # a request id whose arrival makes the worker send Error
         self.version = 0
         self._pending_update: wire.UpdateWeights | None = None
@@ -107,7 +115,7 @@ class FakeRollout(_FakeWorker):
         if self.instant:
             versions = [self.version] * self.tokens
             self._out.put_nowait(self._completion(msg.request_id, list(range(self.tokens)), versions,
-                                                  "stop", self.policy(msg.prompt, self.version)))
+                                                  "stop", self.answer(msg, self.version)))
             self.log.append((time.perf_counter(), "done", msg.request_id))
             return
         self._running[msg.request_id] = asyncio.create_task(self._generate(msg))
@@ -126,6 +134,9 @@ class FakeRollout(_FakeWorker):
         for msg in waiting:
             self._start(msg)
 
+    def answer(self, msg: wire.Generate, version: int) -> str:
+        return self.continuation(msg, version) if msg.prefix else self.policy(msg.prompt, version)
+
     def token_delay(self, request_id: str) -> float:
         """Seconds per token of this request (override for uneven timings)."""
         return self.token_delay_s
@@ -137,7 +148,7 @@ class FakeRollout(_FakeWorker):
             if delay or not versions:
                 await asyncio.sleep(delay)
             versions.append(self.version)
-        text = self.policy(msg.prompt, versions[-1])
+        text = self.answer(msg, versions[-1])
         self._running.pop(msg.request_id, None)
         await self._out.put(self._completion(msg.request_id, list(range(len(versions))), versions, "stop", text))
         self.log.append((time.perf_counter(), "done", msg.request_id))

@@ -1,6 +1,8 @@
 """Counter-based sampling randomness: every random number is a pure function of (seed, counter).
 
     controller: seed of a training rollout = sample_seed(run.seed, group id, sample index, retry)
+                seed of a process-reward continuation = continuation_seed(run.seed, group id,
+                sample index, retry, step i, continuation j)
     engine:     uniform for the j-th completion token of a request = uniform(seed, j)
 
 A shared random stream would hand each row whatever number comes next, so the tokens a request
@@ -44,6 +46,12 @@ def derive(*parts: int) -> int:
 def sample_seed(run_seed: int, group_id: int, index: int, retry: int) -> int:
     """The sampling seed of one training rollout: sample `index` of group `group_id`, attempt `retry`."""
     return derive(run_seed, group_id, index, retry)
+
+
+def continuation_seed(run_seed: int, group_id: int, index: int, retry: int, step: int, j: int) -> int:
+    """The sampling seed of continuation `j` from step prefix `step` of one training rollout
+    (areal_aio.process_reward); six parts, so it never equals a rollout's four-part seed by design."""
+    return derive(run_seed, group_id, index, retry, step, j)
 
 
 def uniform(seed: int, counter: int) -> float:

@@ -4,8 +4,9 @@
 
 Every field carries its documentation and its allowed values in the field's
 metadata, so `python -m areal_aio check` can print them and every error can
-name the key and what it accepts. Mode presets (sync / one_step / areal) are
-applied over the file's values; a value given with `--set` wins over a preset.
+name the key and what it accepts. Mode presets (run.mode: sync / one_step / areal;
+process.mode: outcome / process / mixed) are applied over the file's values; a value
+given with `--set` wins over a preset.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ TRL_NAMES = {
 }
 """Keys TRL's GRPOConfig users bring -> ours, suggested when a key is unknown. TRL's
 num_iterations (passes over one batch) has no counterpart: trainer.minibatches splits a batch."""
+PROCESS_MODES = ("off", "outcome", "process", "mixed")
+"""process.mode: the built-in answer reward, or ProcessThinker's with one of three mixes."""
 UNBOUNDED = -1
 """`controller.max_staleness = -1` means no staleness bound (the ablation's 'unbounded')."""
 UNBOUNDED_IN_FLIGHT_BATCHES = 8
@@ -208,6 +211,21 @@ class SftSettings:
     batch_size: int = opt(8, "Prompt/completion pairs per step.", ge=1)
     lr: float = opt(1e-4, "AdamW learning rate, constant (trainer.weight_decay, grad_clip, micro_tokens, bf16, device and threads apply as in a run).", gt=0)
     eval_size: int = opt(64, "Held-out prompts (the first of the task's held-out set) answered greedily before and after tuning, scored for valid step-tagged replies and passes; 0 = no eval.", ge=0)
+class ProcessSettings:
+    """ProcessThinker's reward (arXiv 2606.11209) for replies in the step format (areal_aio/steps.py):
+    format_weight * valid + min(step_bonus * K, step_bonus_cap) + lambda_acc * R_acc + lambda_proc * R_proc,
+    replaced by `penalty` when R_proc < tau and the final answer is wrong (areal_aio/process_reward.py)."""
+
+    mode: str = opt("off", "off: the built-in answer reward (task.format_bonus), no step format | outcome | process | mixed: ProcessThinker's reward, presetting lambda_acc / lambda_proc / tau to 1 / 0 / 0 (outcome-only: no continuations), 0 / 1 / - (process-only) or 0.5 / 0.5 / - (mixed; the paper does not give its mixed weights, these are ours); a value given with --set wins over the preset.", choices=PROCESS_MODES)
+    continuations: int = opt(4, "M: continuations sampled from each step prefix on the rollout worker (never trained); a step's score is the share that reach the correct final answer. The paper's 4.", ge=1)
+    max_scored_steps: int = opt(6, "K_max: the first this many steps of a reply are scored (M continuations each). The paper's 6.", ge=1)
+    tau: float = opt(0.5, "Penalty gate: a reply whose process score is below tau and whose final answer is wrong gets `penalty` as its whole reward; 0 = no gate. The paper's 0.5.", ge=0, le=1)
+    penalty: float = opt(0.0, "The reward of a gated reply. 0: the gate zeroes the reward, as the paper's does.")
+    lambda_acc: float = opt(1.0, "Weight of the outcome reward R_acc (1 for a correct final answer, else 0); preset by process.mode.", ge=0)
+    lambda_proc: float = opt(0.0, "Weight of the process reward R_proc (the mean step score, 0 for a reply without scorable steps); preset by process.mode. > 0 (or tau > 0) samples continuations.", ge=0)
+    format_weight: float = opt(0.2, "Reward for a reply in the valid step format. The paper has a format reward; this weight is ours (the size of task.format_bonus).", ge=0)
+    step_bonus: float = opt(0.05, "Reward per step of a reply in the valid format, up to step_bonus_cap. The paper's step-count bonus is bounded; these values are ours.", ge=0)
+    step_bonus_cap: float = opt(0.15, "The most the step-count bonus pays (0.15 = 3 steps of 0.05).", ge=0)
 
 
 SECTIONS: dict[str, type] = {
@@ -218,6 +236,7 @@ SECTIONS: dict[str, type] = {
     "trainer": TrainerSettings,
     "controller": ControllerSettings,
     "sft": SftSettings,
+    "process": ProcessSettings,
 }
 
 
@@ -230,6 +249,7 @@ class Settings:
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     sft: SftSettings = field(default_factory=SftSettings)
+    process: ProcessSettings = field(default_factory=ProcessSettings)
 
     def __post_init__(self) -> None:
         if self.trainer.batch_size % self.rollout.group_size:
@@ -301,6 +321,13 @@ def mode_presets(mode: str) -> dict[str, Any]:
     return {"rollout.interrupt": False}
 
 
+def process_presets(mode: str) -> dict[str, Any]:
+    """What process.mode sets: the outcome and process weights (and no gate without a process score)."""
+    return {"outcome": {"process.lambda_acc": 1.0, "process.lambda_proc": 0.0, "process.tau": 0.0},
+            "process": {"process.lambda_acc": 0.0, "process.lambda_proc": 1.0},
+            "mixed": {"process.lambda_acc": 0.5, "process.lambda_proc": 0.5}}.get(mode, {})
+
+
 def load_settings(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Settings:
     """Read a settings file (None = all defaults), apply `section.key=value` overrides, check."""
     raw: dict[str, Any] = {}
@@ -345,10 +372,11 @@ def build_settings(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] =
     for key, value in flat.items():  # every given value is checked, also one a preset replaces
         flat[key] = _coerce_key(key, value)
     mode = flat.get("run.mode", RunSettings().mode)
-    if mode in MODES:
-        for key, value in mode_presets(mode).items():
-            if key not in explicit:
-                flat[key] = value
+    presets = mode_presets(mode) if mode in MODES else {}
+    presets |= process_presets(flat.get("process.mode", ProcessSettings().mode))
+    for key, value in presets.items():
+        if key not in explicit:
+            flat[key] = value
     sections: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
         given = {key.partition(".")[2]: value for key, value in flat.items() if key.startswith(name + ".")}

@@ -69,6 +69,17 @@ STEP_METRICS = {
     "publish_s": "perf/publish_s",
     "replay_groups": "queue/replay_groups",
     "in_flight": "queue/in_flight",
+    "process_mean": "process/score_mean",
+    "gated_frac": "process/gated_frac",
+    "format_valid_frac": "process/format_valid_frac",
+    "cost_multiple": "process/cost_multiple",
+    "continuation_tokens": "process/continuation_tokens",
+    "continuation_requests": "process/continuation_requests",
+    "continuation_s": "process/continuation_s",
+    "process_replies": "process/replies",
+    "process_gated": "process/gated",
+    "continuation_reward_failures": "process/continuation_reward_failures",
+    "gen_tokens": "perf/gen_tokens",
 }
 """steps.jsonl field -> tracker name. A numeric field not listed goes to `train/<field>`, as does
 each reward of a weighted set (`reward/<name>` -> `train/reward/<name>`); another that already

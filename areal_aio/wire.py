@@ -55,7 +55,12 @@ class Ready:
 
 @dataclass(frozen=True, slots=True)
 class Generate:
-    """Start one sequence. temperature 0 = greedy (eval)."""
+    """Start one sequence. temperature 0 = greedy (eval).
+
+    With a `prefix` the reply is taken to have begun with it (a process-reward continuation):
+    the worker tokenizes the chat template of `prompt` (with its generation prompt) followed by
+    `prefix`; the Completion's prompt_ids hold both, its completion_ids and text only what
+    was generated after the prefix."""
 
     request_id: str
     prompt: str  # user message; the worker applies the chat template
@@ -64,6 +69,7 @@ class Generate:
     top_p: float = 1.0
     seed: int | None = None  # sampling seed (areal_aio.seeds); None: the worker assigns one
     messages: list | None = None  # a chat task's {role, content} turns (the last is `prompt`): templated instead
+    prefix: str = ""  # start of the assistant's reply to continue from ("" = a fresh reply)
 
 
 @dataclass(frozen=True, slots=True)

@@ -173,6 +173,24 @@ def test_concurrent_requests_abort_and_clean_shutdown(spawn, weights):
     assert "stray print from python" in log and "stray write to fd 1" in log
 
 
+def test_a_request_with_a_prefix_continues_the_reply_after_it(spawn, weights):
+    """A process-reward continuation: chat template + prefix is the prompt, only what follows
+    is the completion, and its log-probs are conditioned on the prefix."""
+    models, tok, _ = weights
+    w = spawn()
+    prefix = "Step 1: 2 + 3 = 5\n"
+    w.send(wire.Generate("p0.0.0.1.0", "Calculate 2 + 3 - 1.", 6, 0.0, prefix=prefix))
+    w.send(wire.Generate("plain", "Calculate 2 + 3 - 1.", 6, 0.0))
+    done, _ = w.collect(2)
+    c, plain = done["p0.0.0.1.0"], done["plain"]
+    assert c.prompt_ids == encode_prompt(tok, "Calculate 2 + 3 - 1.") + tok.encode(prefix, add_special_tokens=False)
+    assert c.prompt_ids == encode_prompt(tok, "Calculate 2 + 3 - 1.", prefix=prefix)
+    assert plain.prompt_ids == c.prompt_ids[:len(plain.prompt_ids)] and len(c.prompt_ids) > len(plain.prompt_ids)
+    assert len(c.completion_ids) == 6 and c.text == tok.decode(c.completion_ids, skip_special_tokens=True)
+    _check_logprobs(models, c)
+    assert w.shutdown() == 0
+
+
 def test_interrupting_update_versions_tokens_and_rebuilds(spawn, weights):
     models, _, path = weights
     w = spawn("rollout.interrupt=true", "rollout.max_batch=8", "rollout.chunk_tokens=2")

@@ -22,7 +22,8 @@ def rows(folder, name: str) -> list[dict]:
 def test_names_are_namespaced_and_unique():
     for table in (STEP_METRICS, EVAL_METRICS):
         assert len(set(table.values())) == len(table)
-        assert all(name.split("/")[0] in ("train", "eval", "perf", "staleness", "queue") for name in table.values())
+        assert all(name.split("/")[0] in ("train", "eval", "perf", "staleness", "queue", "process")
+                   for name in table.values())
     for name in ("train/reward", "train/loss", "train/entropy", "staleness/max", "staleness/mean",
                  "perf/gen_tokens_per_s", "perf/train_tokens_per_s"):
         assert name in STEP_METRICS.values()

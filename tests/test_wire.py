@@ -11,6 +11,7 @@ MESSAGES = [
     wire.Ready("trainer", 12, 1.5, "cpu", 0),
     wire.Generate("g1.0", "Calculate 1 + 2.", 64, 0.7, 0.9),
     wire.Generate("g1.1", "Calculate 1 + 2.", 64, 0.7, 0.9, seed=2**63 - 1),
+    wire.Generate("p1.1.0.1.3", "Calculate 1 + 2.", 64, 0.7, 1.0, seed=5, prefix="Step 1: 1 + 2 = 3\n"),
     wire.Abort("g1.0"),
     wire.UpdateWeights(3, "/dev/shm/x/v3.safetensors"),
     wire.WeightsLoaded(3, 0.05, 7),

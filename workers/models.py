@@ -206,9 +206,11 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32", device: str 
     return model, tok
 
 
-def encode_prompt(tok: Any, prompt: str | list[dict[str, str]], system_prompt: str = "") -> list[int]:
+def encode_prompt(tok: Any, prompt: str | list[dict[str, str]], system_prompt: str = "",
+                  prefix: str = "") -> list[int]:
     """The chat template, applied the same way by every worker, eval and benchmark. `prompt`:
-    a user message, or a chat's turns (the system prompt goes first unless it has its own)."""
+    a user message, or a chat's turns (the system prompt goes first unless it has its own); a
+    `prefix` (the start of the assistant's reply, for a continuation) follows the generation prompt."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     if isinstance(prompt, str):
         messages.append({"role": "user", "content": prompt})
@@ -219,7 +221,10 @@ def encode_prompt(tok: Any, prompt: str | list[dict[str, str]], system_prompt: s
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
         ids = ids["input_ids"]
-    return list(ids)
+    ids = list(ids)
+    if prefix:
+        ids += tok.encode(prefix, add_special_tokens=False)
+    return ids
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,8 @@
     Init -> configure_torch, load_model -> Ready(version 0)
     loop:
         messages (never blocking while there is work; blocking recv when idle):
-            Generate      -> engine.add (prompt, or a chat's messages, through the chat template)
+            Generate      -> engine.add (prompt, or a chat's messages, through the chat template, then
+                             any reply prefix)
             Abort         -> engine.abort -> Completion(finish="abort"); unknown ids ignored
             UpdateWeights -> pending (a newer one supersedes an older one not yet loaded)
             Shutdown, EOF -> return
@@ -69,7 +70,7 @@ class RolloutWorker:
     def _handle(self, msg: Any, channel: Channel) -> None:
         match msg:
             case wire.Generate():
-                ids = encode_prompt(self.tokenizer, msg.messages or msg.prompt, self.system_prompt)
+                ids = encode_prompt(self.tokenizer, msg.messages or msg.prompt, self.system_prompt, msg.prefix)
                 self.engine.add(Request(msg.request_id, ids, msg.max_new_tokens,
                                         msg.temperature, msg.top_p, msg.seed))
             case wire.Abort():
