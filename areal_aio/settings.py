@@ -211,6 +211,9 @@ class SftSettings:
     batch_size: int = opt(8, "Prompt/completion pairs per step.", ge=1)
     lr: float = opt(1e-4, "AdamW learning rate, constant (trainer.weight_decay, grad_clip, micro_tokens, bf16, device and threads apply as in a run).", gt=0)
     eval_size: int = opt(64, "Held-out prompts (the first of the task's held-out set) answered greedily before and after tuning, scored for valid step-tagged replies and passes; 0 = no eval.", ge=0)
+
+
+@dataclass(frozen=True, slots=True)
 class ProcessSettings:
     """ProcessThinker's reward (arXiv 2606.11209) for replies in the step format (areal_aio/steps.py):
     format_weight * valid + min(step_bonus * K, step_bonus_cap) + lambda_acc * R_acc + lambda_proc * R_proc,

@@ -118,7 +118,7 @@ def test_on_off_keys_take_booleans_and_reject_other_text():
     ({"trainer": {"epsilon": 0.2}}, [], "did you mean 'trainer.clip_eps' (TRL's epsilon)?"),
     ({"learning_rate": 1e-5}, [], "unknown settings section 'learning_rate'; did you mean 'trainer.lr' (TRL's learning_rate)?"),
     ({}, ["num_generations=4"], "did you mean 'rollout.group_size' (TRL's num_generations)?"),
-    ({"run": {"lr": 1e-5}}, [], "unknown settings key 'run.lr'; did you mean 'trainer.lr'?"),
+    ({"run": {"lr": 1e-5}}, [], "unknown settings key 'run.lr'; did you mean 'trainer.lr' or 'sft.lr'?"),
 ])
 def test_trl_names_and_keys_of_another_section_get_hints(raw, sets, needle):
     with pytest.raises(SettingsError) as info:
