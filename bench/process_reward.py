@@ -1,7 +1,7 @@
 """Process reward: outcome-only vs process-only vs mixed (ProcessThinker, arXiv 2606.11209) from one
 cold-start model, each run given the same wall budget.
 
-    python bench/process_reward.py [--settings settings/chain.toml] [--model runs/chain-sft/model]
+    python bench/process_reward.py [--settings settings.toml] [--model runs/chain-sft/model]
         [--set k=v ...] [--arms outcome,process,mixed] [--seeds 0,1] [--max-wall-s 1800]
         [--out DIR] [--quick] [--report-only]
 
@@ -11,7 +11,8 @@ load drifts shifts every arm of a seed alike). The runs differ only in `process.
 the reward (areal_aio/process_reward.py): outcome = format + step bonus + correct answer (no
 continuations); process = format + step bonus + the rollout-based process score, gated;
 mixed = both, weighted 0.5 / 0.5. Same model (--model, by default the folder
-`python -m areal_aio sft settings/chain.toml --out runs/chain-sft` writes), tasks, seeds and
+`python -m areal_aio sft settings.toml --set task.name=chain --set task.terms=3 --out
+runs/chain-sft` writes), tasks (three-term chain sums, CHAIN), seeds and
 settings otherwise, and the same wall budget: run.max_wall_s = --max-wall-s (counted after both
 workers are ready), no step limit, no threshold, no checkpoints (a checkpoint's pause would
 cost the arms unequally).
@@ -60,7 +61,8 @@ from bench.common import (  # noqa: E402
 )
 
 ARMS = ("outcome", "process", "mixed")
-CHAIN_SETTINGS = REPO / "settings" / "chain.toml"
+CHAIN = ("task.name=chain", "task.terms=3")
+"""The task of the comparison (not with --quick): the cold start's, two steps per solution."""
 COLD_START_MODEL = "runs/chain-sft/model"
 DEFAULT_WALL_S = 1800.0
 UNLIMITED_STEPS = 1_000_000
@@ -212,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad := [a for a in arms if a not in ARMS]:
         ap.error(f"--arms: {bad} not in {list(ARMS)}")
     seeds = parse_list(args.seeds or ("0" if args.quick else "0,1"), int)
-    settings_path = args.settings or (DEFAULT_SETTINGS if args.quick else CHAIN_SETTINGS)
+    settings_path = args.settings or DEFAULT_SETTINGS
     model = args.model or (QUICK_MODEL if args.quick else COLD_START_MODEL)
     wall = args.max_wall_s or (QUICK_WALL_S if args.quick else DEFAULT_WALL_S)
-    base = [*(QUICK if args.quick else (f"run.max_steps={UNLIMITED_STEPS}",)),
+    base = [*(QUICK if args.quick else (*CHAIN, f"run.max_steps={UNLIMITED_STEPS}")),
             f"model.path={orjson.dumps(str(model)).decode()}", f"run.max_wall_s={wall}", "run.threshold=0",
             "run.checkpoint_every=0", *args.overrides]
     grid = cells(arms, seeds)
@@ -223,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         try:  # one line now, not a failed cell per run
             preflight(load_settings(settings_path, [*base, *grid[0].overrides]), args.out)
         except SettingsError as exc:
-            hint = (f" (make it with: python -m areal_aio sft {shown_path(CHAIN_SETTINGS)} --out "
-                    f"{Path(COLD_START_MODEL).parent})") if "model.path" in str(exc) and model == COLD_START_MODEL else ""
+            hint = (f" (make it with: python -m areal_aio sft settings.toml --set task.name=chain "
+                    f"--set task.terms=3 --out {Path(COLD_START_MODEL).parent})") if "model.path" in str(exc) and model == COLD_START_MODEL else ""
             ap.error(f"{exc}{hint}")
 
     records = run_loop(run_grid(grid, args.out, settings_path=settings_path, overrides=base,
