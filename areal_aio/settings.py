@@ -151,7 +151,7 @@ class TaskSettings:
     reward: str | list = opt("answer", "The reward: \"answer\" (built in: 1 for a correct final answer, + format_bonus when tagged), \"package.module:function\" (importable here; called as fn(task, completion, **columns) -> float | Score, sync or async; it gets the task row's extra columns its signature names, all with **kwargs), or a list of those and {fn = \"...\", weight = 0.5, name = \"...\"} tables: each is logged as reward/<name>, the reward is their weighted sum, and the first decides pass and strict.", parse=reward_value)
     terms: int = opt(2, "Arithmetic and chain: terms per expression (chain: one solution step per operation, so set 3-5 for a multi-step task).", ge=2, le=6)
     digits: int = opt(1, "Arithmetic and chain: digits per term (one digit: 0-10 for arithmetic, 0-9 for chain).", ge=1, le=4)
-    operators: list = opt(["+", "-"], "Arithmetic and chain: operators to draw from, any of + - * / (chain takes * and / first and divides exactly).")
+    operators: list = opt(["+", "-"], "Arithmetic and chain: operators to draw from, any of + - * / (chain takes * and / first and divides exactly; arithmetic takes + and - only, since reasoning-gym's answers with * and / are wrong).")
     eval_size: int = opt(64, "Held-out eval prompts (drawn with eval_seed, never trained on).", ge=1)
     eval_seed: int = opt(10_000, "Seed of the held-out eval set; must differ from run.seed.", ge=0)
     eval_every: int = opt(5, "Evaluate every this many trainer steps (and at step 0 and the end).", ge=1)
@@ -268,6 +268,12 @@ class Settings:
         bad = [op for op in self.task.operators if op not in ("+", "-", "*", "/")]
         if bad or not self.task.operators:
             raise SettingsError(f"task.operators: {bad or '[]'} not allowed; use a non-empty list of + - * /")
+        if self.task.name == "arithmetic" and {"*", "/"} & set(self.task.operators):
+            # reasoning-gym's basic_arithmetic answers "6 + 10 * 0 + 1" with 1 and "4 / 1 / 7" with 8
+            raise SettingsError("task.operators: * and / give wrong reference answers in task.name = "
+                                "'arithmetic' (reasoning-gym's basic_arithmetic ignores precedence and "
+                                "misprints divisions); use + and -, or task.name = 'chain', which takes * and / "
+                                "first and divides exactly")
         if self.controller.max_in_flight and self.controller.max_in_flight < self.rollout.group_size:
             raise SettingsError(f"controller.max_in_flight ({self.controller.max_in_flight}) must be 0 or "
                                 f">= rollout.group_size ({self.rollout.group_size}): groups start whole")

@@ -64,6 +64,7 @@ def test_int_accepted_for_float_field():
     ({"trainer": {"batch_size": 30}}, [], "trainer.batch_size (30) must be a multiple of rollout.group_size (8)"),
     ({"rollout": {"device": "gpu"}}, [], "rollout.device: 'gpu' not allowed"),
     ({"task": {"operators": ["^"]}}, [], "task.operators"),
+    ({"task": {"operators": ["+", "*"]}}, [], "task.operators: * and / give wrong reference answers"),
     ({"task": {"name": "jsonl"}}, [], "task.path: required"),
     ({"run": "x"}, [], "run: must be a table"),
     ({}, ["run.mode"], "expected section.key=value"),

@@ -40,9 +40,16 @@ def test_eval_set_is_fixed_and_from_another_seed():
 
 
 def test_difficulty_settings():
-    s = build_settings({"task": {"terms": 3, "digits": 2, "operators": ["*"]}})
+    s = build_settings({"task": {"terms": 3, "digits": 2, "operators": ["-"]}})
     task = next(training_tasks(s))
-    assert task.prompt.count("*") == 2
+    assert task.prompt.count("-") == 2
+
+
+def test_arithmetic_answers_are_the_expressions_values():
+    s = build_settings({"task": {"terms": 4, "digits": 2}})
+    for task in itertools.islice(training_tasks(s), 200):
+        expression = task.prompt.removeprefix("Calculate ").split(".")[0]
+        assert int(task.answer) == eval(expression), task  # only digits, + and - here
 
 
 def test_jsonl_source_holds_out_eval_rows(tmp_path):
