@@ -2,7 +2,7 @@
 
     tasks (any iterable / async iterable)
         |
-    [dispatch] --blocks on--> admission: floor((live + G - 1) / B) <= version + eta
+    [dispatch] --blocks on--> Admission (staleness.py): floor((live + G - 1) / B) <= version + eta
         |                      (live = ever admitted - dropped; never lowered by training)
         |  Generate x G (one group)                       ^ capacity event: commit, drop
         v                                                 |
@@ -72,7 +72,7 @@ from areal_aio.rewards import Score, Scorer, component_means, load_rewards
 from areal_aio.runlog import RunLog
 from areal_aio.seeds import sample_seed
 from areal_aio.settings import Settings
-from areal_aio.staleness import may_admit, staleness
+from areal_aio.staleness import Admission, staleness
 from areal_aio.tasks import Task, eval_tasks, read_tasks, training_tasks
 from areal_aio.weight_store import WeightStore
 
@@ -199,10 +199,10 @@ class Orchestrator:
         self._name = name
         self.rollout = rollout or PipeWorker("rollout", self.folder / "rollout.log", settings.rollout.threads)
         self.trainer = trainer or PipeWorker("trainer", self.folder / "trainer.log", settings.trainer.threads)
-        self.version = 0
+        # the admission rule's state (live, trained, version, capacity): areal_aio.staleness
+        self.admission = Admission(self.B, self.eta, self.max_in_flight,
+                                   version=state.get("version", 0), trained=state.get("trained", 0))
         self.step = 0
-        self.live = 0  # rollouts ever admitted and not dropped: N_r of the admission rule
-        self.trained = 0  # rollouts trained: live - trained are outstanding
         self.counts = Counts()
         self.replay = ReplayBuffer()
         self.summary: dict[str, Any] = {}
@@ -210,7 +210,6 @@ class Orchestrator:
         self._requests: dict[str, Sample] = {}
         self._eval_waiters: dict[str, asyncio.Future] = {}
         self._trained: asyncio.Future | None = None
-        self._capacity = asyncio.Event()
         self._batch_ready = asyncio.Event()
         self._baseline_done = asyncio.Event()
         self._stop = asyncio.Event()
@@ -252,6 +251,11 @@ class Orchestrator:
                                completions_every=r.log_completions_every, evals=self._eval_curve)
 
     # ------------------------------------------------------------------ public
+
+    @property
+    def version(self) -> int:
+        """The committed policy version (owned by `admission`; only a commit advances it)."""
+        return self.admission.version
 
     def stop(self) -> None:
         """Ask the run to end after the current step (then final eval, summary)."""
@@ -370,20 +374,17 @@ class Orchestrator:
                 yield task
 
     async def _dispatch(self) -> None:
-        """Admit one group at a time while the rate rule allows; the only writer of `live` upward."""
+        """Admit one group at a time while the rate rule allows; the only caller of `admit`."""
         stream = self._task_stream()
         await self._baseline_done.wait()
         for gid, task in self._redispatch:  # admitted before the stop: admitted again first
             samples = [Sample(f"g{gid}.{i}", gid, task, i) for i in range(self.G)]
             self._groups[gid] = PendingGroup(task, samples)
-            self.live += self.G
+            self.admission.admit(self.G)
             await self._generate(*samples)
         self._redispatch = []
         while True:
-            while not may_admit(self.live, self.G, self.B, self.version, self.eta,
-                                self.live - self.trained, self.max_in_flight):
-                self._capacity.clear()
-                await self._capacity.wait()
+            await self.admission.wait(self.G)
             try:
                 task = await anext(stream)
             except StopAsyncIteration:
@@ -394,7 +395,7 @@ class Orchestrator:
             gid = next(self._group_ids)
             samples = [Sample(f"g{gid}.{i}", gid, task, i) for i in range(self.G)]
             self._groups[gid] = PendingGroup(task, samples)
-            self.live += self.G
+            self.admission.admit(self.G)
             self.counts.admitted += self.G
             await self._generate(*samples)
             await asyncio.sleep(0)  # a pipe with room never blocks: let readers in between groups
@@ -492,14 +493,13 @@ class Orchestrator:
 
     def _drop(self, samples: list[Sample], why: str) -> None:
         """Give the admission slots back and record the drop."""
-        self.live -= len(samples)
+        self.admission.drop(len(samples))
         if why == "stale":
             self.counts.dropped_stale += len(samples)
         else:
             self.counts.dropped_interrupt += len(samples)
         for s in samples:
             self._sample_row(s, dropped=why)
-        self._capacity.set()
 
     # ------------------------------------------------------------------ training side
 
@@ -618,12 +618,10 @@ class Orchestrator:
             raise WorkerFailed("trainer", f"reported version {trained.version} after {self.version}")
         # Commit: the controller is the only writer of the clock, and tells the rollout worker only now.
         self.step = step
-        self.version = trained.version
+        self.admission.commit(trained.version, len(samples))
         wall = time.perf_counter() - self._t0
         self._commit_wall[self.version] = wall
         self._retain()
-        self.trained += len(samples)
-        self._capacity.set()
         self.counts.accepted += len(samples)
         self.counts.trained_tokens += sum(len(s.completion.completion_ids) for s in samples)
         self.counts.staleness_hist.update(stale)
@@ -768,7 +766,7 @@ class Orchestrator:
         c = self.counts
         counts = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "staleness_hist"}
         return {
-            "step": self.step, "version": self.version, "trained": self.trained, "consumed": self._consumed,
+            "step": self.step, "version": self.version, "trained": self.admission.trained, "consumed": self._consumed,
             "next_group": self._next_group(), "wall_s": time.perf_counter() - self._t0,
             "open_groups": [{"group": gid, "task": dataclasses.asdict(task)}
                             for gid, task in sorted(open_groups.items())],
@@ -788,8 +786,7 @@ class Orchestrator:
 
     def _restore(self, state: dict[str, Any]) -> None:
         """The controller as it was at the checkpoint; its open groups are dispatched again."""
-        self.step, self.version, self.trained = state["step"], state["version"], state["trained"]
-        self.live = self.trained
+        self.step = state["step"]  # version and trained: self.admission, made from this state
         self._consumed = state["consumed"]
         self._group_ids = itertools.count(state["next_group"])
         self._spent = state["wall_s"]
@@ -878,7 +875,7 @@ class Orchestrator:
             if now - last_progress >= PROGRESS_PERIOD_S:
                 last_progress = now
                 self.log.events.info("queues", in_flight=len(self._requests), replay_groups=len(self.replay),
-                                     pending_groups=len(self._groups), live=self.live, version=self.version)
+                                     pending_groups=len(self._groups), live=self.admission.live, version=self.version)
                 await self.log.flush()
                 self._watch.refresh()
 

@@ -104,8 +104,8 @@ async def test_rate_control_holds_at_every_admission(tmp_path):
     class Checking(JitteryRollout):
         async def send(self, msg):
             if type(msg).__name__ == "Generate" and not msg.request_id.startswith("eval"):
-                if (orch.live - 1) // B > orch.version + eta:
-                    violations.append((orch.live, orch.version))
+                if (orch.admission.live - 1) // B > orch.version + eta:
+                    violations.append((orch.admission.live, orch.version))
             await super().send(msg)
 
     orch = orchestrator(tmp_path, settings, rollout=Checking(3), trainer=FakeTrainer(step_delay_s=0.002))
@@ -290,7 +290,7 @@ async def test_unbounded_staleness_is_capped_by_max_in_flight(tmp_path):
     class Counting(JitteryRollout):
         async def send(self, msg):
             if type(msg).__name__ == "Generate" and not msg.request_id.startswith("eval"):
-                outstanding.append(orch.live - orch.trained)
+                outstanding.append(orch.admission.outstanding)
             await super().send(msg)
 
     orch = orchestrator(tmp_path, settings, rollout=Counting(1), trainer=FakeTrainer(step_delay_s=0.01))
