@@ -50,29 +50,28 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import math
 import os
 import shutil
 import sys
 import time
-from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from areal_aio import checkpoint, evaluation, process_reward, wire
+from areal_aio import checkpoint, evaluation, process_reward, stats, wire
 from areal_aio.client import PipeWorker, WorkerClient, WorkerFailed, ensure_model
 from areal_aio.progress import Progress
 from areal_aio.replay import Group, ReplayBuffer
 from areal_aio.reward_pool import RewardPoolBroken
-from areal_aio.rewards import Score, Scorer, component_means, load_rewards
+from areal_aio.rewards import Score, Scorer, load_rewards
 from areal_aio.runlog import RunLog
 from areal_aio.seeds import sample_seed
 from areal_aio.settings import Settings
 from areal_aio.staleness import Admission, staleness
+from areal_aio.stats import Busy, Counts
 from areal_aio.tasks import Task, eval_tasks, read_tasks, training_tasks
 from areal_aio.weight_store import WeightStore
 
@@ -110,50 +109,6 @@ class PendingGroup:
     samples: list[Sample]
     scored: int = 0
     dropped: bool = False
-
-
-@dataclass(slots=True)
-class Counts:
-    admitted: int = 0
-    generated: int = 0
-    accepted: int = 0
-    dropped_stale: int = 0
-    dropped_interrupt: int = 0
-    interrupts: int = 0
-    restarts: int = 0
-    reward_failures: int = 0
-    gen_tokens: int = 0
-    eval_tokens: int = 0
-    trained_tokens: int = 0
-    reward_sum: float = 0.0
-    lost_in_flight: int = 0  # rollouts admitted, not trained, lost by a stop and redone on resume
-    staleness_hist: Counter = field(default_factory=Counter)
-
-
-class Busy:
-    """Integrates the time a worker has work in hand (for idle fractions); `on_change(busy)` is
-    called when it starts or stops having work (the `busy` events a report's timeline draws)."""
-
-    def __init__(self, on_change: Callable[[bool], None] = lambda busy: None) -> None:
-        self.active = 0
-        self.total = 0.0
-        self._since = 0.0
-        self._on_change = on_change
-
-    def up(self) -> None:
-        if self.active == 0:
-            self._since = time.perf_counter()
-            self._on_change(True)
-        self.active += 1
-
-    def down(self) -> None:
-        self.active -= 1
-        if self.active == 0:
-            self.total += time.perf_counter() - self._since
-            self._on_change(False)
-
-    def seconds(self) -> float:
-        return self.total + (time.perf_counter() - self._since if self.active else 0.0)
 
 
 class Orchestrator:
@@ -294,7 +249,7 @@ class Orchestrator:
             self._t0 = time.perf_counter() - self._spent
             if self._ckpt is not None:
                 self._resumed()
-            self._emit("run_start", mode=self.settings.run.mode, eta=_num(self.eta))
+            self._emit("run_start", mode=self.settings.run.mode, eta=stats.num(self.eta))
             await self._supervise()
         except BaseException as exc:
             error = exc
@@ -442,9 +397,7 @@ class Orchestrator:
             self._restart(sample, group)
             return
         sample.completion = msg
-        self.counts.generated += 1
-        self.counts.gen_tokens += len(msg.completion_ids)
-        self.counts.interrupts += msg.interrupts  # per sample in samples.jsonl; rebuilds in weights_loaded
+        self.counts.completed(msg)
         if self._scorer.inline and not self._process.enabled:
             self._scored(sample, group, self._scorer.score_inline(sample.task, msg.text))
         else:
@@ -483,8 +436,7 @@ class Orchestrator:
     def _scored(self, sample: Sample, group: PendingGroup, score: Score) -> None:
         """A sample's reward is in; a group whose every sample is scored enters the replay buffer."""
         sample.score = score
-        self.counts.reward_failures += score.failed
-        self.counts.reward_sum += score.reward
+        self.counts.scored(score)
         group.scored += 1
         if group.scored == len(group.samples) and not group.dropped:
             del self._groups[sample.group_id]
@@ -494,12 +446,9 @@ class Orchestrator:
     def _drop(self, samples: list[Sample], why: str) -> None:
         """Give the admission slots back and record the drop."""
         self.admission.drop(len(samples))
-        if why == "stale":
-            self.counts.dropped_stale += len(samples)
-        else:
-            self.counts.dropped_interrupt += len(samples)
+        self.counts.dropped(len(samples), why)
         for s in samples:
-            self._sample_row(s, dropped=why)
+            self.log.row("samples", stats.sample_row(s, dropped=why))
 
     # ------------------------------------------------------------------ training side
 
@@ -622,23 +571,12 @@ class Orchestrator:
         wall = time.perf_counter() - self._t0
         self._commit_wall[self.version] = wall
         self._retain()
-        self.counts.accepted += len(samples)
-        self.counts.trained_tokens += sum(len(s.completion.completion_ids) for s in samples)
-        self.counts.staleness_hist.update(stale)
+        self.counts.trained(sum(len(s.completion.completion_ids) for s in samples), stale)
         self._max_trained_staleness = max(self._max_trained_staleness, *stale)
         for s, st in zip(samples, stale, strict=True):
-            self._sample_row(s, staleness=st, step=self.step)
-        rewards = [s.score.reward for s in samples]
-        row = {"step": self.step, "version": self.version, "wall_s": round(wall, 3),
-               "train_s": round(train_s, 3), "wait_s": round(wait_s, 3),
-               "reward_mean": sum(rewards) / len(rewards), **component_means([s.score for s in samples]),
-               "pass_rate": sum(s.score.passed for s in samples) / len(samples),
-               "strict_rate": sum(s.score.strict for s in samples) / len(samples),
-               "staleness_max": max(stale), "staleness_mean": sum(stale) / len(stale),
-               "replay_groups": len(self.replay), "in_flight": len(self._requests),
-               "gen_tokens_per_s": (self.counts.gen_tokens + self.counts.eval_tokens) / max(wall, 1e-9),
-               "train_tokens_per_s": self.counts.trained_tokens / max(wall, 1e-9),
-               **{k: v for k, v in trained.stats.items() if k not in ("step", "version")}}
+            self.log.row("samples", stats.sample_row(s, staleness=st, step=self.step))
+        row = stats.step_row(self.step, self.version, wall, train_s, wait_s, samples, stale, self.counts,
+                             trained, replay_groups=len(self.replay), in_flight=len(self._requests))
         if self._process.enabled:
             row |= process_reward.step_fields([s.process for s in samples], self.counts.gen_tokens,
                                               self._process)
@@ -763,14 +701,13 @@ class Orchestrator:
         rows not yet written, mark where a resume cuts them back to)."""
         open_groups = {gid: g.task for gid, g in self._groups.items() if not g.dropped}
         open_groups.update({g.group_id: g.task for g in self.replay.groups()})
-        c = self.counts
-        counts = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "staleness_hist"}
+        counts, hist = self.counts.state()
         return {
             "step": self.step, "version": self.version, "trained": self.admission.trained, "consumed": self._consumed,
             "next_group": self._next_group(), "wall_s": time.perf_counter() - self._t0,
             "open_groups": [{"group": gid, "task": dataclasses.asdict(task)}
                             for gid, task in sorted(open_groups.items())],
-            "counts": counts, "staleness_hist": {str(k): v for k, v in c.staleness_hist.items()},
+            "counts": counts, "staleness_hist": hist,
             "eval_curve": self._eval_curve, "commit_wall": {str(k): v for k, v in self._commit_wall.items()},
             "time_to_threshold": self._time_to_threshold, "max_trained_staleness": self._max_trained_staleness,
             "best": self._best, "best_pending": self._best_pending,
@@ -790,8 +727,7 @@ class Orchestrator:
         self._consumed = state["consumed"]
         self._group_ids = itertools.count(state["next_group"])
         self._spent = state["wall_s"]
-        self.counts = Counts(**state["counts"], staleness_hist=Counter(
-            {int(k): v for k, v in state["staleness_hist"].items()}))
+        self.counts = Counts.from_state(state["counts"], state["staleness_hist"])
         self._eval_curve = list(state["eval_curve"])
         self._commit_wall = {int(k): v for k, v in state["commit_wall"].items()}
         self._time_to_threshold = state["time_to_threshold"]
@@ -886,56 +822,17 @@ class Orchestrator:
         for queue in self._subscribers:
             _put_latest(queue, item)
 
-    def _sample_row(self, s: Sample, *, staleness: int | None = None, step: int | None = None,
-                    dropped: str | None = None) -> None:
-        c = s.completion
-        self.log.row("samples", {
-            "kind": "train", "request_id": s.request_id, "group": s.group_id, "task_id": s.task.id,
-            "prompt": s.task.prompt, "answer": s.task.answer, "reply": c.text if c else None,
-            "reward": s.score.reward if s.score else None, "pass": s.score.passed if s.score else None,
-            "strict": s.score.strict if s.score else None,
-            "reward_failed": s.score.failed if s.score else None,
-            **({"rewards": s.score.components} if s.score and s.score.components else {}),
-            "oldest_version": c.oldest_version if c else None, "newest_version": c.newest_version if c else None,
-            "staleness": staleness, "interrupts": c.interrupts if c else None, "retries": s.retries,
-            "dropped": dropped, "step": step, "tokens": len(c.completion_ids) if c else 0,
-            **({"process": s.process} if s.process is not None else {})})
-
     # ------------------------------------------------------------------ summary
 
     def _summarize(self, error: BaseException | None) -> dict:
-        wall = time.perf_counter() - self._t0 if self._t0 else 0.0
-        c = self.counts
-        unused = c.admitted - c.accepted - c.dropped_stale - c.dropped_interrupt
-        s = self.settings
-        return {
-            "mode": s.run.mode, "max_staleness": _num(self.eta), "objective": s.trainer.objective,
-            "interrupt": s.rollout.interrupt, "seed": s.run.seed, "model": s.model.path,
-            **self._cold_start, "wall_s": round(wall, 3), "steps": self.step, "final_version": self.version,
-            "samples_admitted": c.admitted, "samples_generated": c.generated, "samples_accepted": c.accepted,
-            "samples_dropped_stale": c.dropped_stale, "samples_dropped_interrupt": c.dropped_interrupt,
-            "samples_unused": unused, "interrupts": c.interrupts, "restarts": c.restarts,
-            "reward_failures": c.reward_failures, "max_staleness_trained": self._max_trained_staleness,
-            "lost_in_flight": c.lost_in_flight, "resumes": self._resumes,
-            "best_eval": self._best if self._best["version"] is not None else None,
-            "staleness_hist": {str(k): v for k, v in sorted(c.staleness_hist.items())},
-            "eval_curve": sorted(self._eval_curve, key=lambda r: r["step"]),
-            "threshold": s.run.threshold or None, "time_to_threshold_s": self._time_to_threshold,
-            "reward_per_1k_tokens": 1000 * c.reward_sum / c.gen_tokens if c.gen_tokens else 0.0,
-            "gen_tokens": c.gen_tokens, "eval_tokens": c.eval_tokens, "trained_tokens": c.trained_tokens,
-            "process_mode": s.process.mode, **self._process.stats(c.gen_tokens),
-            "gen_tokens_per_s": (c.gen_tokens + c.eval_tokens) / wall if wall else 0.0,
-            "train_tokens_per_s": c.trained_tokens / wall if wall else 0.0,
-            "rollout_idle_frac": 1 - self._rollout_busy.seconds() / wall if wall else None,
-            "trainer_idle_frac": 1 - self._trainer_busy.seconds() / wall if wall else None,
-            "loop_lag_max_ms": round(1000 * self._lag_max, 2),
-            "folder": str(self.folder),
-            "error": None if error is None else (str(error) or type(error).__name__),
-        }
-
-
-def _num(x: float) -> float | int | None:
-    return None if math.isinf(x) else int(x)
+        return stats.summarize(
+            self.settings, self.counts, wall=time.perf_counter() - self._t0 if self._t0 else 0.0,
+            steps=self.step, version=self.version, cold_start=self._cold_start,
+            max_trained_staleness=self._max_trained_staleness, resumes=self._resumes, best=self._best,
+            eval_curve=self._eval_curve, time_to_threshold=self._time_to_threshold,
+            process=self._process.stats(self.counts.gen_tokens), rollout_busy_s=self._rollout_busy.seconds(),
+            trainer_busy_s=self._trainer_busy.seconds(), lag_max_s=self._lag_max, folder=str(self.folder),
+            error=error)
 
 
 def _failure(worker: Any, msg: Any) -> WorkerFailed:
