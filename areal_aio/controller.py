@@ -62,7 +62,7 @@ from typing import Any
 import orjson
 
 from areal_aio import checkpoint, evaluation, process_reward, stats, wire
-from areal_aio.client import PipeWorker, WorkerClient, WorkerFailed, ensure_model
+from areal_aio.client import PipeWorker, WorkerClient, WorkerFailed
 from areal_aio.progress import Progress
 from areal_aio.replay import Group, ReplayBuffer
 from areal_aio.reward_pool import RewardPoolBroken
@@ -241,9 +241,9 @@ class Orchestrator:
                               log_path=self.folder / "reward.log")
         error: BaseException | None = None
         try:
-            if isinstance(self.rollout, PipeWorker) or isinstance(self.trainer, PipeWorker):
-                prep_s = await ensure_model(self.settings.model.path)
-                self._cold_start["prepare_s"] = round(prep_s, 3)
+            prep = [await w.prepare(self.settings.model.path) for w in (self.rollout, self.trainer)]
+            if any(p is not None for p in prep):
+                self._cold_start["prepare_s"] = round(sum(p or 0.0 for p in prep), 3)
             self.store = WeightStore.create(self._name.replace("/", "_"))
             await self._start_workers()
             self._t0 = time.perf_counter() - self._spent
@@ -384,7 +384,7 @@ class Orchestrator:
                                          load_s=round(msg.load_s, 4), rebuilt=msg.rebuilt)
                     self._emit("weights_loaded", version=msg.version, load_s=msg.load_s, rebuilt=msg.rebuilt)
                 case _:
-                    raise _failure(self.rollout, msg)
+                    raise self.rollout.failure(msg)
 
     def _on_completion(self, msg: wire.Completion) -> None:
         sample = self._requests.pop(msg.request_id, None)
@@ -459,7 +459,7 @@ class Orchestrator:
                 case wire.Trained() | wire.Saved():
                     waiter = self._trained if isinstance(msg, wire.Trained) else self._saved
                     if waiter is None or (waiter.done() and not waiter.cancelled()):
-                        raise _failure(self.trainer, msg)
+                        raise self.trainer.failure(msg)
                     self._outstanding -= 1
                     if not waiter.done():
                         waiter.set_result(msg)
@@ -468,7 +468,7 @@ class Orchestrator:
                         # fault; the stop commits it (the trainer holds that version now)
                         self._late = msg
                 case _:
-                    raise _failure(self.trainer, msg)
+                    raise self.trainer.failure(msg)
 
     async def _next_batch(self) -> list[Group] | None:
         """Wait for B/G fresh groups; staleness is measured and enforced here."""
@@ -694,7 +694,7 @@ class Orchestrator:
                 self._outstanding -= 1
                 return msg
             case _:
-                raise _failure(self.trainer, msg)
+                raise self.trainer.failure(msg)
 
     def _state(self) -> dict[str, Any]:
         """Everything resuming needs, at one instant after a commit (the row files' sizes, counting
@@ -833,14 +833,6 @@ class Orchestrator:
             process=self._process.stats(self.counts.gen_tokens), rollout_busy_s=self._rollout_busy.seconds(),
             trainer_busy_s=self._trainer_busy.seconds(), lag_max_s=self._lag_max, folder=str(self.folder),
             error=error)
-
-
-def _failure(worker: Any, msg: Any) -> WorkerFailed:
-    if hasattr(worker, "failure"):
-        return worker.failure(msg)
-    if isinstance(msg, wire.Error):
-        return WorkerFailed(worker.role, msg.message, msg.traceback)
-    return WorkerFailed(worker.role, f"unexpected {type(msg).__name__}")
 
 
 def _worker_failure(error: BaseException | None) -> WorkerFailed | RewardPoolBroken | None:

@@ -9,6 +9,8 @@ the ones in flight finish on the old weights, load, then start the held ones). I
 The fake trainer answers Train after `step_delay_s` with the next version, and
 Save by writing small stand-in files (a checkpoint part it can resume from: its
 version; a "model" folder with a config.json). Both record what happened (`log`) so tests can check ordering and overlap.
+`kill()` makes either one die the way a subprocess does: recv ends (None), a send raises
+WorkerFailed, and `failure` names the exit code, as PipeWorker's does.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_aio import wire
+from areal_aio.client import WorkerFailed, worker_failed
 
 
 @functools.lru_cache(maxsize=4096)
@@ -41,8 +44,37 @@ def policy_continuation(msg: wire.Generate, version: int) -> str:
     return solving_policy(msg.prompt, version)
 
 
+KILLED = -9
+"""The exit code a killed fake reports (a subprocess killed by SIGKILL)."""
+
+
 class _FakeWorker:
+    role: str
+    returncode: int | None = None  # set once the fake "process" is gone
+    _out: asyncio.Queue
+
+    async def prepare(self, model: str) -> None:
+        """No model files: a fake needs none."""
+        return None
+
     async def send(self, msg: Any) -> None:
+        raise NotImplementedError
+
+    def _alive(self) -> None:
+        if self.returncode is not None:
+            raise WorkerFailed(self.role, "pipe closed while sending")
+
+    def failure(self, msg: Any) -> WorkerFailed:
+        return worker_failed(self.role, msg, self.returncode)
+
+    def kill(self) -> None:
+        """Die now: work in hand is lost, recv ends with None after what was already sent."""
+        if self.returncode is None:
+            self.returncode = KILLED
+            self._cancel()
+            self._out.put_nowait(None)
+
+    def _cancel(self) -> None:
         raise NotImplementedError
 
     async def send_many(self, msgs: list[Any]) -> None:
@@ -80,6 +112,7 @@ class FakeRollout(_FakeWorker):
         return wire.Ready(role=self.role, pid=os.getpid(), load_s=0.0, device="fake", version=0)
 
     async def send(self, msg: Any) -> None:
+        self._alive()
         match msg:
             case wire.Generate(request_id=rid):
                 if rid == self.fail_on:
@@ -165,6 +198,9 @@ class FakeRollout(_FakeWorker):
         return await self._out.get()
 
     async def stop(self) -> None:
+        self._cancel()
+
+    def _cancel(self) -> None:
         for task in self._running.values():
             task.cancel()
         self._running.clear()
@@ -191,6 +227,7 @@ class FakeTrainer(_FakeWorker):
         return wire.Ready(role=self.role, pid=os.getpid(), load_s=0.0, device="fake", version=self.version)
 
     async def send(self, msg: Any) -> None:
+        self._alive()
         match msg:
             case wire.Train():
                 if msg.version != self.version:
@@ -237,5 +274,8 @@ class FakeTrainer(_FakeWorker):
         return await self._out.get()
 
     async def stop(self) -> None:
+        self._cancel()
+
+    def _cancel(self) -> None:
         if self._task is not None:
             self._task.cancel()

@@ -232,6 +232,27 @@ async def test_rollout_error_stops_run(tmp_path):
     assert not orch.store.root.exists()
 
 
+@pytest.mark.parametrize("role", ["rollout", "trainer"])
+async def test_a_killed_worker_ends_the_run_like_a_dead_subprocess(tmp_path, role):
+    workers = {"rollout": FakeRollout(token_delay_s=0.002), "trainer": FakeTrainer(step_delay_s=0.01)}
+    orch = orchestrator(tmp_path, make_settings(**{"run.max_steps": 1000}), **workers)
+
+    async def kill_at_step_two() -> None:
+        while orch.step < 2:
+            await asyncio.sleep(0.005)
+        workers[role].kill()
+
+    killer = asyncio.create_task(kill_at_step_two())
+    with pytest.raises(WorkerFailed, match=f"{role} worker failed: exited with code -9") as info:
+        await asyncio.wait_for(orch.run(), 10)
+    await killer
+    assert info.value.role == role and not orch.store.root.exists()
+    summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
+    assert "exited with code -9" in summary["error"] and summary["steps"] >= 2
+    with pytest.raises(WorkerFailed, match="pipe closed"):
+        await workers[role].send(wire.Shutdown())
+
+
 async def test_cancel_stops_workers_and_removes_store(tmp_path):
     rollout = FakeRollout(tokens=4, token_delay_s=0.01)
     orch = orchestrator(tmp_path, make_settings(**{"run.max_steps": 1000}), rollout=rollout)
