@@ -73,6 +73,7 @@ from areal_aio.settings import Settings
 from areal_aio.staleness import Admission, staleness
 from areal_aio.stats import Busy, Counts
 from areal_aio.tasks import Task, eval_tasks, read_tasks, training_tasks
+from areal_aio.trainer_link import TrainerLink
 from areal_aio.weight_store import WeightStore
 
 MONITOR_PERIOD_S = 0.05
@@ -164,7 +165,6 @@ class Orchestrator:
         self._groups: dict[int, PendingGroup] = {}
         self._requests: dict[str, Sample] = {}
         self._eval_waiters: dict[str, asyncio.Future] = {}
-        self._trained: asyncio.Future | None = None
         self._batch_ready = asyncio.Event()
         self._baseline_done = asyncio.Event()
         self._stop = asyncio.Event()
@@ -173,6 +173,8 @@ class Orchestrator:
         self._group_ids = itertools.count()
         self._rollout_busy = Busy(lambda on: self.log.events.info("busy", worker="rollout", busy=on))
         self._trainer_busy = Busy(lambda on: self.log.events.info("busy", worker="trainer", busy=on))
+        # Train and Save requests, their replies, the step in flight: areal_aio.trainer_link
+        self.link = TrainerLink(self.trainer, self._trainer_busy, self._commit)
         self._subscribers: list[asyncio.Queue] = []
         self._eval_curve: list[dict] = []
         self._evals: set[asyncio.Task] = set()
@@ -185,16 +187,12 @@ class Orchestrator:
         self.log: RunLog | None = None
         self.store: WeightStore | None = None
         self._consumed = 0  # tasks taken from the source (resume skips them)
-        self._in_step: tuple | None = None  # (step, samples, stale, wait_s, t0) of the Train in flight
-        self._saved: asyncio.Future | None = None
         self._workers_up = False
         self._lock = None
         self._eval_starts: dict[int, int] = {}  # eval step -> version it started on (keep_best pins)
         self._best = {"pass_rate": -1.0, "version": None, "step": None}
         self._best_pending: int | None = None  # a new best version not yet exported
         self._redispatch: list[tuple[int, Task]] = []
-        self._late: wire.Trained | None = None
-        self._outstanding = 0  # Train and Save messages the trainer has not answered yet
         self._resumes: list[dict] = []
         self._spent = 0.0  # wall seconds of the run before this process (resume)
         self._process = process_reward.StepCredit(settings, self._send_continuations,
@@ -289,7 +287,7 @@ class Orchestrator:
             self._tg = tg
             self._dispatcher = tg.create_task(self._dispatch(), name="dispatch")
             helpers = [self._dispatcher] + [tg.create_task(coro, name=name) for name, coro in (
-                ("rollout_reader", self._rollout_reader()), ("trainer_reader", self._trainer_reader()),
+                ("rollout_reader", self._rollout_reader()), ("trainer_reader", self.link.read()),
                 ("monitor", self._monitor()))]
             await tg.create_task(self._train_loop(), name="train_loop")
             for task in helpers:
@@ -452,24 +450,6 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ training side
 
-    async def _trainer_reader(self) -> None:
-        while True:
-            msg = await self.trainer.recv()
-            match msg:
-                case wire.Trained() | wire.Saved():
-                    waiter = self._trained if isinstance(msg, wire.Trained) else self._saved
-                    if waiter is None or (waiter.done() and not waiter.cancelled()):
-                        raise self.trainer.failure(msg)
-                    self._outstanding -= 1
-                    if not waiter.done():
-                        waiter.set_result(msg)
-                    elif isinstance(msg, wire.Trained):
-                        # the run is stopping and cancelled its step first: a late reply, not a
-                        # fault; the stop commits it (the trainer holds that version now)
-                        self._late = msg
-                case _:
-                    raise self.trainer.failure(msg)
-
     async def _next_batch(self) -> list[Group] | None:
         """Wait for B/G fresh groups; staleness is measured and enforced here."""
         n_groups = self.B // self.G
@@ -542,26 +522,18 @@ class Orchestrator:
                                           s.completion.logprobs, s.completion.versions,
                                           s.score.reward, s.group_id) for s in samples]
         step = self.step + 1
-        self._trained = asyncio.get_running_loop().create_future()
-        self._trainer_busy.up()
-        t0 = time.perf_counter()
-        # set before sending: once the frame is written, a stop must wait for (and keep) the step
-        self._in_step = (step, samples, stale, wait_s, t0)
-        self._outstanding += 1
-        await self.trainer.send(wire.Train(step, self.version, train_samples))
-        trained: wire.Trained = await self._trained
-        self._commit(trained)
+        # committed by the link (self._commit) before it returns; a stop keeps it in flight
+        trained = await self.link.train(wire.Train(step, self.version, train_samples),
+                                        (step, samples, stale, wait_s, time.perf_counter()))
         await self.rollout.send(wire.UpdateWeights(self.version, trained.path))
         if self.settings.controller.on_interrupt == "restart":
             for rid in list(self._requests):
                 await self.rollout.send(wire.Abort(rid))
 
-    def _commit(self, trained: wire.Trained) -> None:
+    def _commit(self, record: tuple, trained: wire.Trained) -> None:
         """Advance the clock to a Trained version and record its step (the rollout worker is
-        told by the caller, after this)."""
-        step, samples, stale, wait_s, t0 = self._in_step
-        self._in_step = None
-        self._trainer_busy.down()
+        told by the train loop, after this); `record` is (step, samples, stale, wait_s, t0)."""
+        step, samples, stale, wait_s, t0 = record
         train_s = time.perf_counter() - t0
         if trained.version != self.version + 1:
             raise WorkerFailed("trainer", f"reported version {trained.version} after {self.version}")
@@ -598,24 +570,13 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ keeping the run
 
-    async def _save(self, kind: str, path: Path, weights: str = "") -> wire.Saved:
-        """One Save to the trainer (from the train loop, between steps); its Saved."""
-        self._saved = asyncio.get_running_loop().create_future()
-        self._trainer_busy.up()
-        try:
-            self._outstanding += 1
-            await self.trainer.send(wire.Save(kind, str(path), weights))
-            return await self._saved
-        finally:
-            self._trainer_busy.down()
-
     async def _checkpoint(self, request: Callable[..., Any] | None = None) -> None:
         """Controller state now, trainer part next (the trainer holds this version: no Train is
         sent until it is saved), then the atomic rename (areal_aio.checkpoint)."""
         t0 = time.perf_counter()
         state = self._state()
         tmp = checkpoint.begin(self.folder, self.step)
-        saved = await (request or self._save)("checkpoint", tmp / "trainer")
+        saved = await (request or self.link.save)("checkpoint", tmp / "trainer")
         if saved.version != self.version:
             raise WorkerFailed("trainer", f"saved version {saved.version} for a checkpoint of {self.version}")
         await self.log.settle()  # the rows the checkpoint counts are on disk before it exists
@@ -631,7 +592,7 @@ class Orchestrator:
         t0 = time.perf_counter()
         tmp = self.folder / f".{name}.tmp"
         await asyncio.to_thread(shutil.rmtree, tmp, True)
-        saved = await (request or self._save)("model", tmp, weights)
+        saved = await (request or self.link.save)("model", tmp, weights)
         if not weights and saved.version != version:
             raise WorkerFailed("trainer", f"exported version {saved.version}, expected {version}")
         info = {"version": version, "step": self.step if name == "model" else self._best["step"],
@@ -664,37 +625,14 @@ class Orchestrator:
             await self.trainer.stop()
 
     async def _keep_at_stop(self) -> None:
-        if self._late is not None and self._in_step is not None:
-            self._commit(self._late)  # it reached the reader before the reader was cancelled
-        while self._outstanding:  # replies to what was sent before the stop come first
-            await self._stop_reply()
+        await self.link.settle()  # replies to what was sent before the stop come first
         if self.version < 1:
             return
-        await self._export("model", self.version, self._stop_request)
+        await self._export("model", self.version, self.link.save_at_stop)
         if self._best_pending is not None:
-            await self._export_best(self._stop_request)
+            await self._export_best(self.link.save_at_stop)
         if self.settings.run.checkpoint_every:
-            await self._checkpoint(self._stop_request)
-
-    async def _stop_request(self, kind: str, path: Path, weights: str = "") -> wire.Saved:
-        """A Save at a stop, its reply read here (the trainer reader is gone)."""
-        self._outstanding += 1
-        await self.trainer.send(wire.Save(kind, str(path), weights))
-        return await self._stop_reply()
-
-    async def _stop_reply(self) -> wire.Saved | None:
-        """The trainer's next reply at a stop: a step in flight is committed, a Saved returned."""
-        msg = await self.trainer.recv()
-        match msg:
-            case wire.Trained() if self._in_step is not None:
-                self._outstanding -= 1
-                self._commit(msg)
-                return None
-            case wire.Saved():
-                self._outstanding -= 1
-                return msg
-            case _:
-                raise self.trainer.failure(msg)
+            await self._checkpoint(self.link.save_at_stop)
 
     def _state(self) -> dict[str, Any]:
         """Everything resuming needs, at one instant after a commit (the row files' sizes, counting

@@ -14,7 +14,9 @@ from areal_aio.client import WorkerFailed
 from areal_aio.controller import Orchestrator
 from areal_aio.fakes import FakeRollout, FakeTrainer
 from areal_aio.settings import build_settings
+from areal_aio.stats import Busy
 from areal_aio.tasks import Task, arithmetic_prompt
+from areal_aio.trainer_link import TrainerLink
 
 
 def tasks(n: int | None = None, start: int = 0):
@@ -353,19 +355,23 @@ async def test_a_trained_reply_after_its_step_was_cancelled_is_not_a_fault(tmp_p
 
     loop = asyncio.get_running_loop()
     reply = wire.Trained(step=0, version=1, path="v1.safetensors", stats={})
-    orch = orchestrator(tmp_path, make_settings(), trainer=Replies(reply))
-    orch._trained = loop.create_future()
-    orch._trained.cancel()
-    reader = asyncio.create_task(orch._trainer_reader())
+    committed = []
+    link = TrainerLink(Replies(reply), Busy(), lambda step, trained: committed.append((step, trained)))
+    link._trained, link.outstanding = loop.create_future(), 1  # a Train was sent
+    link._trained.cancel()
+    reader = asyncio.create_task(link.read())
     await asyncio.sleep(0.01)
-    assert not reader.done() and orch.trainer._out.empty()  # read, dropped, waiting for the next
+    assert not reader.done() and link.trainer._out.empty()  # read, kept, waiting for the next
     reader.cancel()
+    link._step = "step 1"  # the stop commits the late reply of the step in flight
+    await link.settle()
+    assert committed == [("step 1", reply)] and link.outstanding == 0
 
-    orch = orchestrator(tmp_path, make_settings(), trainer=Replies(reply))
-    orch._trained = loop.create_future()
-    orch._trained.set_result(reply)  # that step already has its reply
+    link = TrainerLink(Replies(reply), Busy(), lambda step, trained: None)
+    link._trained = loop.create_future()
+    link._trained.set_result(reply)  # that step already has its reply
     with pytest.raises(WorkerFailed, match="unexpected Trained"):
-        await asyncio.wait_for(orch._trainer_reader(), 1)
+        await asyncio.wait_for(link.read(), 1)
 
 
 class RecordingRollout(FakeRollout):
