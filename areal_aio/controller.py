@@ -51,18 +51,15 @@ import asyncio
 import dataclasses
 import itertools
 import os
-import shutil
-import sys
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from areal_aio import checkpoint, evaluation, process_reward, stats, wire
 from areal_aio.client import PipeWorker, WorkerClient, WorkerFailed
+from areal_aio.keeping import Keeper
 from areal_aio.progress import Progress
 from areal_aio.replay import Group, ReplayBuffer
 from areal_aio.reward_pool import RewardPoolBroken
@@ -81,9 +78,6 @@ MONITOR_PERIOD_S = 0.05
 PROGRESS_PERIOD_S = 2.0
 EVENT_QUEUE = 10_000
 """Events buffered per subscriber; a subscriber that falls further behind loses the oldest."""
-STOP_SAVE_TIMEOUT_S = 600.0
-"""At a stop the trainer may first finish a step in flight, then writes model/ and a checkpoint:
-a few seconds for a 135M model, minutes at most for a large one on a slow disk."""
 
 
 @dataclass(slots=True)
@@ -175,8 +169,10 @@ class Orchestrator:
         self._trainer_busy = Busy(lambda on: self.log.events.info("busy", worker="trainer", busy=on))
         # Train and Save requests, their replies, the step in flight: areal_aio.trainer_link
         self.link = TrainerLink(self.trainer, self._trainer_busy, self._commit)
+        # checkpoints, resume, model/ and best/, the best eval: areal_aio.keeping
+        self.keeper = Keeper(self, self._ckpt)
         self._subscribers: list[asyncio.Queue] = []
-        self._eval_curve: list[dict] = []
+        self.eval_curve: list[dict] = []
         self._evals: set[asyncio.Task] = set()
         self._commit_wall: dict[int, float] = {0: 0.0}
         self._time_to_threshold: float | None = None
@@ -189,11 +185,7 @@ class Orchestrator:
         self._consumed = 0  # tasks taken from the source (resume skips them)
         self._workers_up = False
         self._lock = None
-        self._eval_starts: dict[int, int] = {}  # eval step -> version it started on (keep_best pins)
-        self._best = {"pass_rate": -1.0, "version": None, "step": None}
-        self._best_pending: int | None = None  # a new best version not yet exported
         self._redispatch: list[tuple[int, Task]] = []
-        self._resumes: list[dict] = []
         self._spent = 0.0  # wall seconds of the run before this process (resume)
         self._process = process_reward.StepCredit(settings, self._send_continuations,
                                                   lambda task, text: self._scorer.score(task, text))
@@ -201,7 +193,7 @@ class Orchestrator:
             self._restore(state)
         r = settings.run
         self._watch = Progress(r.max_steps, self.folder, show=r.progress,
-                               completions_every=r.log_completions_every, evals=self._eval_curve)
+                               completions_every=r.log_completions_every, evals=self.eval_curve)
 
     # ------------------------------------------------------------------ public
 
@@ -297,7 +289,7 @@ class Orchestrator:
         for task in list(self._evals):
             task.cancel()
         failure = _worker_failure(error)
-        await asyncio.gather(self.rollout.stop(), self._keep_and_stop_trainer(failure),
+        await asyncio.gather(self.rollout.stop(), self.keeper.keep_and_stop_trainer(failure, self._workers_up),
                              return_exceptions=True)
         await self._scorer.aclose()
         if self.store is not None:
@@ -475,7 +467,7 @@ class Orchestrator:
             # The baseline eval runs alone on version 0, before any training rollout is dispatched.
             await self._evaluate(0, 0)
         elif self.step % self.settings.task.eval_every == 0 and \
-                not any(row["step"] == self.step for row in self._eval_curve):
+                not any(row["step"] == self.step for row in self.eval_curve):
             self._start_eval()  # the checkpoint's own eval was in flight: this version is loaded
         self._baseline_done.set()
         while self.step < self.settings.run.max_steps and not self._should_stop():
@@ -490,13 +482,13 @@ class Orchestrator:
             last = self.step >= self.settings.run.max_steps or self._should_stop()
             if self.step % self.settings.task.eval_every == 0 and not last:
                 self._start_eval()
-            if self._best_pending is not None:
-                await self._export_best()
+            if self.keeper.best_pending is not None:
+                await self.keeper.export_best()
             if every and self.step % every == 0 and not last:
-                await self._checkpoint()
+                await self.keeper.checkpoint()
         # the final eval gets the rollout worker to itself: training rollouts end first
         await self._stop_generating()
-        if not any(row["step"] == self.step for row in self._eval_curve) and \
+        if not any(row["step"] == self.step for row in self.eval_curve) and \
                 not any(t.get_name() == f"eval-{self.step}" for t in self._evals):
             self._start_eval()
         if self._evals:
@@ -542,7 +534,7 @@ class Orchestrator:
         self.admission.commit(trained.version, len(samples))
         wall = time.perf_counter() - self._t0
         self._commit_wall[self.version] = wall
-        self._retain()
+        self.keeper.retain()
         self.counts.trained(sum(len(s.completion.completion_ids) for s in samples), stale)
         self._max_trained_staleness = max(self._max_trained_staleness, *stale)
         for s, st in zip(samples, stale, strict=True):
@@ -557,86 +549,11 @@ class Orchestrator:
         self._publish({"kind": "step", **row})
         self._watch.step(row, samples)
 
-    def _retain(self) -> None:
-        """Keep in the store what someone may still load: the newest and the one before (the
-        rollout worker may be mid-load); with keep_best also every version an eval in flight
-        may be stamped with, and a best not yet exported."""
-        keep = {self.version, self.version - 1}
-        if self.settings.run.keep_best:
-            floors = [*self._eval_starts.values(), *([self._best_pending] if self._best_pending else [])]
-            if floors:
-                keep |= set(range(min(floors), self.version + 1))
-        self.store.retain(keep)
+    # ------------------------------------------------------------------ resuming
 
-    # ------------------------------------------------------------------ keeping the run
-
-    async def _checkpoint(self, request: Callable[..., Any] | None = None) -> None:
-        """Controller state now, trainer part next (the trainer holds this version: no Train is
-        sent until it is saved), then the atomic rename (areal_aio.checkpoint)."""
-        t0 = time.perf_counter()
-        state = self._state()
-        tmp = checkpoint.begin(self.folder, self.step)
-        saved = await (request or self.link.save)("checkpoint", tmp / "trainer")
-        if saved.version != self.version:
-            raise WorkerFailed("trainer", f"saved version {saved.version} for a checkpoint of {self.version}")
-        await self.log.settle()  # the rows the checkpoint counts are on disk before it exists
-        path, size = await asyncio.to_thread(checkpoint.commit, self.folder, tmp, state,
-                                             self.settings.run.keep_checkpoints)
-        self.log.events.info("checkpoint", step=self.step, version=self.version, path=str(path),
-                             bytes=size, seconds=round(time.perf_counter() - t0, 3),
-                             trainer_s=round(saved.seconds, 3))
-
-    async def _export(self, name: str, version: int, request: Callable[..., Any] | None = None,
-                      weights: str = "") -> None:
-        """The policy of `version` as an HF folder at <run>/<name>, replaced whole."""
-        t0 = time.perf_counter()
-        tmp = self.folder / f".{name}.tmp"
-        await asyncio.to_thread(shutil.rmtree, tmp, True)
-        saved = await (request or self.link.save)("model", tmp, weights)
-        if not weights and saved.version != version:
-            raise WorkerFailed("trainer", f"exported version {saved.version}, expected {version}")
-        info = {"version": version, "step": self.step if name == "model" else self._best["step"],
-                "eval": next((r for r in reversed(self._eval_curve) if r["version"] == version), None),
-                "settings": self.settings.to_dict()}
-        (tmp / "areal_aio.json").write_bytes(orjson.dumps(info, option=orjson.OPT_INDENT_2))
-        await asyncio.to_thread(checkpoint.replace_folder, tmp, self.folder / name)
-        self.log.events.info("exported", folder=name, version=version, bytes=saved.bytes,
-                             seconds=round(time.perf_counter() - t0, 3))
-
-    async def _export_best(self, request: Callable[..., Any] | None = None) -> None:
-        version = self._best_pending
-        # the live weights when they are that version, else its (pinned) weight-store file
-        await self._export("best", version, request, "" if version == self.version else str(self.store.path(version)))
-        if self._best_pending == version:
-            self._best_pending = None
-        self._retain()
-
-    async def _keep_and_stop_trainer(self, failure: WorkerFailed | None) -> None:
-        """At a stop: a trainer that is alive keeps the run (finishes a step in flight, writes
-        model/, best/, a checkpoint), then is stopped."""
-        try:
-            if self._workers_up and not (failure is not None and failure.role == "trainer"):
-                await asyncio.wait_for(self._keep_at_stop(), STOP_SAVE_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - keeping must never hide why the run stopped
-            if self.log is not None:
-                self.log.events.info("keep_failed", error=f"{type(exc).__name__}: {exc}")
-            print(f"areal_aio: could not write model/ or the final checkpoint: {exc}", file=sys.stderr)
-        finally:
-            await self.trainer.stop()
-
-    async def _keep_at_stop(self) -> None:
-        await self.link.settle()  # replies to what was sent before the stop come first
-        if self.version < 1:
-            return
-        await self._export("model", self.version, self.link.save_at_stop)
-        if self._best_pending is not None:
-            await self._export_best(self.link.save_at_stop)
-        if self.settings.run.checkpoint_every:
-            await self._checkpoint(self.link.save_at_stop)
-
-    def _state(self) -> dict[str, Any]:
-        """Everything resuming needs, at one instant after a commit (the row files' sizes, counting
-        rows not yet written, mark where a resume cuts them back to)."""
+    def run_state(self) -> dict[str, Any]:
+        """The controller's part of a checkpoint, at one instant after a commit (areal_aio.keeping
+        adds the best eval, the resumes, the row files' sizes and the settings)."""
         open_groups = {gid: g.task for gid, g in self._groups.items() if not g.dropped}
         open_groups.update({g.group_id: g.task for g in self.replay.groups()})
         counts, hist = self.counts.state()
@@ -646,11 +563,9 @@ class Orchestrator:
             "open_groups": [{"group": gid, "task": dataclasses.asdict(task)}
                             for gid, task in sorted(open_groups.items())],
             "counts": counts, "staleness_hist": hist,
-            "eval_curve": self._eval_curve, "commit_wall": {str(k): v for k, v in self._commit_wall.items()},
+            "eval_curve": self.eval_curve, "commit_wall": {str(k): v for k, v in self._commit_wall.items()},
             "time_to_threshold": self._time_to_threshold, "max_trained_staleness": self._max_trained_staleness,
-            "best": self._best, "best_pending": self._best_pending,
             "busy": {"rollout": self._rollout_busy.seconds(), "trainer": self._trainer_busy.seconds()},
-            "rows": self.log.sizes(), "resumes": self._resumes, "settings": self.settings.to_dict(),
             "process": self._process.state()}
 
     def _next_group(self) -> int:
@@ -666,23 +581,18 @@ class Orchestrator:
         self._group_ids = itertools.count(state["next_group"])
         self._spent = state["wall_s"]
         self.counts = Counts.from_state(state["counts"], state["staleness_hist"])
-        self._eval_curve = list(state["eval_curve"])
+        self.eval_curve = list(state["eval_curve"])
         self._commit_wall = {int(k): v for k, v in state["commit_wall"].items()}
         self._time_to_threshold = state["time_to_threshold"]
         self._max_trained_staleness = state["max_trained_staleness"]
-        self._best, self._best_pending = dict(state["best"]), None  # that version's file is gone
         self._rollout_busy.total, self._trainer_busy.total = state["busy"]["rollout"], state["busy"]["trainer"]
         self._redispatch = [(g["group"], Task(**g["task"])) for g in state["open_groups"]]
-        self._resumes = list(state["resumes"])
         self._process.restore(state.get("process"))
 
     def _resumed(self) -> None:
         lost = self.G * len(self._redispatch)
         self.counts.lost_in_flight += lost
-        entry = {"step": self.step, "version": self.version, "checkpoint": self._ckpt.path.name,
-                 "lost_in_flight": lost, "wall_s": round(self._spent, 3)}
-        self._resumes.append(entry)
-        self.log.events.info("resumed", **entry)
+        self.keeper.resumed(lost, self._spent)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -694,7 +604,7 @@ class Orchestrator:
     async def _evaluate(self, step: int, version: int) -> None:
         """Greedy answers on the held-out set (areal_aio.evaluation); never enters training."""
         loop = asyncio.get_running_loop()
-        self._eval_starts[step] = version
+        self.keeper.eval_starts[step] = version
         try:
             futures = []
             for msg in evaluation.requests(self._eval_set, step, self.settings):
@@ -705,7 +615,7 @@ class Orchestrator:
             completions = [await fut for fut in futures]
             scores = await evaluation.score(self._scorer, self._eval_set, completions)
         finally:
-            del self._eval_starts[step]
+            del self.keeper.eval_starts[step]
         self.counts.eval_tokens += sum(len(c.completion_ids) for c in completions)
         # With interrupts on, an eval answer can finish under newer weights than it started with;
         # the row is stamped with the newest version used, at the time that version was committed.
@@ -715,11 +625,8 @@ class Orchestrator:
                "versions": [min(c.oldest_version for c in completions), newest]}
         for sample_row in evaluation.sample_rows(step, self._eval_set, completions, scores):
             self.log.row("samples", sample_row)
-        if newest >= 1 and row["pass_rate"] > self._best["pass_rate"]:
-            self._best = {"pass_rate": row["pass_rate"], "version": newest, "step": step}
-            if self.settings.run.keep_best:
-                self._best_pending = newest  # exported by the train loop (or at the stop)
-        self._eval_curve.append(row)
+        self.keeper.evaluated(row)  # a new best: exported by the train loop (or at the stop)
+        self.eval_curve.append(row)
         self.log.events.info("eval", **row)
         self._publish({"kind": "eval", **row})
         threshold = self.settings.run.threshold
@@ -766,8 +673,8 @@ class Orchestrator:
         return stats.summarize(
             self.settings, self.counts, wall=time.perf_counter() - self._t0 if self._t0 else 0.0,
             steps=self.step, version=self.version, cold_start=self._cold_start,
-            max_trained_staleness=self._max_trained_staleness, resumes=self._resumes, best=self._best,
-            eval_curve=self._eval_curve, time_to_threshold=self._time_to_threshold,
+            max_trained_staleness=self._max_trained_staleness, resumes=self.keeper.resumes, best=self.keeper.best,
+            eval_curve=self.eval_curve, time_to_threshold=self._time_to_threshold,
             process=self._process.stats(self.counts.gen_tokens), rollout_busy_s=self._rollout_busy.seconds(),
             trainer_busy_s=self._trainer_busy.seconds(), lag_max_s=self._lag_max, folder=str(self.folder),
             error=error)
