@@ -17,28 +17,30 @@
                                                             v
     [train_loop] (the one finite loop: max_steps / max_wall_s / threshold / stop())
         Train --> trainer pipe --> [trainer_reader] --Trained--> commit version = v+1
+        (requests, replies and the step in flight: TrainerLink, trainer_link.py)
         --> UpdateWeights(v+1) to rollout --> capacity event --> eval every k steps
-        --> every run.checkpoint_every steps: Save(checkpoint) to the trainer (no Train until
-            Saved: both parts hold the same version) + controller state -> checkpoints/step-N
-        --> run.keep_best: a new best eval's version (its store file pinned meanwhile) -> best/
+        --> keeping (Keeper, keeping.py), between steps: a new best eval's version -> best/;
+            every run.checkpoint_every steps a checkpoint -> checkpoints/step-N
     [monitor]  loop lag, queue depths, progress line, row flushing
 
 Who blocks on whom: dispatch waits for the baseline eval (version 0, the
 rollout worker to itself), then for capacity (version commits and drops
 release it); train_loop waits for the replay buffer to hold a fresh batch and
-then for the trainer; readers wait on their pipes. Only train_loop ends the
-run: when it returns, the other tasks are cancelled. Shutdown, on every path
-(normal end, threshold, max_wall_s, Ctrl-C, SIGTERM, a worker failure): while
-the rollout worker is stopped, a trainer that is alive first finishes (and
-commits) a step in flight, then writes model/ (the last committed version),
-best/ and a final checkpoint; then it is stopped too (asked, terminated,
-killed), the weight store folder is removed and the summary written. A worker
-Error or EOF raises WorkerFailed in its reader, which cancels the TaskGroup
-and takes the same shutdown path; so does RewardPoolBroken, raised by a score
-task when the reward pool keeps breaking.
+then for the trainer (no Train is sent while a Save is out: a checkpoint's two
+parts hold the same version); readers wait on their pipes. Only train_loop
+ends the run: when it returns, the other tasks are cancelled. Shutdown, on
+every path (normal end, threshold, max_wall_s, Ctrl-C, SIGTERM, a worker
+failure): while the rollout worker is stopped, a trainer that is alive keeps
+the run (keeping.py: it finishes and commits a step in flight, then writes
+model/, best/ and a final checkpoint); then it is stopped too (asked,
+terminated, killed), the weight store folder is removed and the summary
+written. A worker Error or EOF raises WorkerFailed in its reader, which
+cancels the TaskGroup and takes the same shutdown path; so does
+RewardPoolBroken, raised by a score task when the reward pool keeps breaking.
 
 Resume (`resume=` a run folder): the controller state comes back from the
-newest checkpoint, the trainer starts from its trainer part and publishes that
+newest checkpoint (run_state / _restore here, the best eval and the resumes in
+keeping.py), the trainer starts from its trainer part and publishes that
 version, the rollout worker loads it; the groups admitted but not trained at
 the checkpoint are dispatched again first (same group ids, tasks and sampling
 seeds: the samples they lost in flight are counted as lost_in_flight), then
@@ -57,9 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from areal_aio import checkpoint, evaluation, process_reward, stats, wire
+from areal_aio import checkpoint, evaluation, keeping, process_reward, stats, wire
 from areal_aio.client import PipeWorker, WorkerClient, WorkerFailed
-from areal_aio.keeping import Keeper
 from areal_aio.progress import Progress
 from areal_aio.replay import Group, ReplayBuffer
 from areal_aio.reward_pool import RewardPoolBroken
@@ -69,7 +70,7 @@ from areal_aio.seeds import sample_seed
 from areal_aio.settings import Settings
 from areal_aio.staleness import Admission, staleness
 from areal_aio.stats import Busy, Counts
-from areal_aio.tasks import Task, eval_tasks, read_tasks, training_tasks
+from areal_aio.tasks import Task, eval_tasks, read_tasks, task_stream, training_tasks
 from areal_aio.trainer_link import TrainerLink
 from areal_aio.weight_store import WeightStore
 
@@ -130,11 +131,8 @@ class Orchestrator:
         self.max_in_flight = settings.max_in_flight
         self.B = settings.trainer.batch_size
         self.G = settings.rollout.group_size
-        self._ckpt = resume if isinstance(resume, checkpoint.Checkpoint) or resume is None \
-            else checkpoint.latest(Path(resume))
+        self._ckpt = keeping.resume_from(resume, settings)
         state = self._ckpt.state if self._ckpt is not None else {}
-        if self._ckpt is not None:
-            checkpoint.check_compatible(self._ckpt, settings)
         consumed = state.get("consumed", 0)
         self._skip = consumed if tasks is not None else 0  # a caller's source: skip what was taken
         rows = read_tasks(settings.task) if tasks is None or eval_set is None else None  # read once
@@ -170,7 +168,7 @@ class Orchestrator:
         # Train and Save requests, their replies, the step in flight: areal_aio.trainer_link
         self.link = TrainerLink(self.trainer, self._trainer_busy, self._commit)
         # checkpoints, resume, model/ and best/, the best eval: areal_aio.keeping
-        self.keeper = Keeper(self, self._ckpt)
+        self.keeper = keeping.Keeper(self, self._ckpt)
         self._subscribers: list[asyncio.Queue] = []
         self.eval_curve: list[dict] = []
         self._evals: set[asyncio.Task] = set()
@@ -222,9 +220,7 @@ class Orchestrator:
 
         Raises checkpoint.CheckpointError, before touching anything, when the folder already
         holds a run (without resume) or another run is using it."""
-        self._lock = checkpoint.claim(self.folder, resume=self._ckpt is not None)
-        if self._ckpt is not None:
-            checkpoint.truncate_rows(self.folder, self._ckpt.state["rows"])
+        self._lock = self.keeper.claim()
         self.log = RunLog(self.folder, self.settings.to_toml(), append=self._ckpt is not None)
         self._scorer = Scorer(self._reward, timeout_s=self.settings.controller.reward_timeout_s,
                               procs=self.settings.controller.reward_procs,
@@ -237,8 +233,9 @@ class Orchestrator:
             self.store = WeightStore.create(self._name.replace("/", "_"))
             await self._start_workers()
             self._t0 = time.perf_counter() - self._spent
-            if self._ckpt is not None:
-                self._resumed()
+            if self._ckpt is not None:  # the groups to dispatch again lost their samples in flight
+                self.counts.lost_in_flight += (lost := self.G * len(self._redispatch))
+                self.keeper.resumed(lost, self._spent)
             self._emit("run_start", mode=self.settings.run.mode, eta=stats.num(self.eta))
             await self._supervise()
         except BaseException as exc:
@@ -306,27 +303,12 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ dispatch
 
-    async def _task_stream(self) -> AsyncIterator[Task]:
-        skip = self._skip
-        if isinstance(self._tasks, AsyncIterable):
-            async for task in self._tasks:
-                if skip:
-                    skip -= 1
-                    continue
-                yield task
-        else:
-            for task in itertools.islice(self._tasks, skip, None):
-                yield task
-
     async def _dispatch(self) -> None:
         """Admit one group at a time while the rate rule allows; the only caller of `admit`."""
-        stream = self._task_stream()
+        stream = task_stream(self._tasks, self._skip)
         await self._baseline_done.wait()
         for gid, task in self._redispatch:  # admitted before the stop: admitted again first
-            samples = [Sample(f"g{gid}.{i}", gid, task, i) for i in range(self.G)]
-            self._groups[gid] = PendingGroup(task, samples)
-            self.admission.admit(self.G)
-            await self._generate(*samples)
+            await self._admit(gid, task)
         self._redispatch = []
         while True:
             await self.admission.wait(self.G)
@@ -337,13 +319,15 @@ class Orchestrator:
                 self._batch_ready.set()  # let train_loop notice it can never fill a batch
                 return
             self._consumed += 1
-            gid = next(self._group_ids)
-            samples = [Sample(f"g{gid}.{i}", gid, task, i) for i in range(self.G)]
-            self._groups[gid] = PendingGroup(task, samples)
-            self.admission.admit(self.G)
             self.counts.admitted += self.G
-            await self._generate(*samples)
+            await self._admit(next(self._group_ids), task)
             await asyncio.sleep(0)  # a pipe with room never blocks: let readers in between groups
+
+    async def _admit(self, gid: int, task: Task) -> None:
+        samples = [Sample(f"g{gid}.{i}", gid, task, i) for i in range(self.G)]
+        self._groups[gid] = PendingGroup(task, samples)
+        self.admission.admit(self.G)
+        await self._generate(*samples)
 
     async def _generate(self, *samples: Sample) -> None:
         """One Generate per sample, written together (one pipe drain for a whole group)."""
@@ -588,11 +572,6 @@ class Orchestrator:
         self._rollout_busy.total, self._trainer_busy.total = state["busy"]["rollout"], state["busy"]["trainer"]
         self._redispatch = [(g["group"], Task(**g["task"])) for g in state["open_groups"]]
         self._process.restore(state.get("process"))
-
-    def _resumed(self) -> None:
-        lost = self.G * len(self._redispatch)
-        self.counts.lost_in_flight += lost
-        self.keeper.resumed(lost, self._spent)
 
     # ------------------------------------------------------------------ evaluation
 

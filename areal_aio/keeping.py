@@ -21,13 +21,15 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
 from areal_aio import checkpoint
 from areal_aio.client import WorkerFailed
 from areal_aio.reward_pool import RewardPoolBroken
+from areal_aio.settings import Settings
 
 if TYPE_CHECKING:
     from areal_aio.controller import Orchestrator
@@ -35,6 +37,15 @@ if TYPE_CHECKING:
 STOP_SAVE_TIMEOUT_S = 600.0
 """At a stop the trainer may first finish a step in flight, then writes model/ and a checkpoint:
 a few seconds for a 135M model, minutes at most for a large one on a slow disk."""
+
+
+def resume_from(resume: str | Path | checkpoint.Checkpoint | None, settings: Settings) -> checkpoint.Checkpoint | None:
+    """The checkpoint to resume from (the newest of a run folder), checked against `settings`."""
+    if resume is None:
+        return None
+    ckpt = resume if isinstance(resume, checkpoint.Checkpoint) else checkpoint.latest(Path(resume))
+    checkpoint.check_compatible(ckpt, settings)
+    return ckpt
 
 
 class Keeper:
@@ -55,6 +66,14 @@ class Keeper:
             self.resumes = list(ckpt.state["resumes"])
 
     # ------------------------------------------------------------------ state
+
+    def claim(self) -> IO[str]:
+        """The run folder, locked for this run (checkpoint.claim); resuming, its row files are
+        cut back to what the checkpoint counted."""
+        lock = checkpoint.claim(self.run.folder, resume=self.ckpt is not None)
+        if self.ckpt is not None:
+            checkpoint.truncate_rows(self.run.folder, self.ckpt.state["rows"])
+        return lock
 
     def state(self) -> dict[str, Any]:
         """Everything resuming needs, at one instant after a commit (the row files' sizes, counting
