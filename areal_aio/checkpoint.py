@@ -3,7 +3,7 @@
     <run>/checkpoints/
         step-000020/                 one complete checkpoint (the newest run.keep_checkpoints kept)
             manifest.json            {"format", "step", "version", "files": {relative path: bytes}}
-            controller.json          the controller's state (see Orchestrator._state)
+            controller.json          the controller's state (see keeping.Keeper.state)
             trainer/                 the trainer's part (workers/checkpoint.py): fp32 policy,
                                      optimizer, torch RNG, version
         .step-000040.tmp/            being written; never read

@@ -1,9 +1,14 @@
 """Worker clients: the controller's handle on one worker, over a pipe or in-process.
 
-The controller sees only `WorkerClient`: start (Init -> Ready), send, send_many
-(several frames, one wait on the pipe), recv (None at end of stream), stop. `PipeWorker` runs the real subprocess;
+The controller sees only `WorkerClient`: prepare (the model files it needs, before start),
+start (Init -> Ready), send, send_many (several frames, one wait on the pipe), recv (None at
+end of stream), failure, stop. `PipeWorker` runs the real subprocess;
 `areal_aio.fakes` has in-process fakes with the same surface, the seam the
 controller tests and the overhead benchmark use.
+
+A dead worker looks the same through every client: recv gives an Error or None (end of
+stream), `failure(msg)` turns that (or any message the caller did not expect) into
+WorkerFailed (built by `worker_failed`), and a send to it raises WorkerFailed.
 
 Stopping a subprocess: ask (Shutdown), wait SHUTDOWN_TIMEOUT_S, terminate,
 wait KILL_TIMEOUT_S, kill. Workers run in their own session so a Ctrl-C in the
@@ -38,8 +43,23 @@ class WorkerFailed(RuntimeError):
         self.traceback = traceback
 
 
+def worker_failed(role: str, msg: Any, code: int | None = None, log_tail: str = "") -> WorkerFailed:
+    """The failure for a message that means the worker is gone (Error, or None: end of stream)
+    or that its reader did not expect; `code`: the process's exit status when known."""
+    if isinstance(msg, wire.Error):
+        return WorkerFailed(role, msg.message, msg.traceback)
+    what = f"exited with code {code}" if code is not None else "closed its pipe"
+    if msg is not None:
+        what = f"sent an unexpected {type(msg).__name__}"
+    return WorkerFailed(role, what, log_tail)
+
+
 class WorkerClient(Protocol):
     role: str
+
+    async def prepare(self, model: str) -> float | None:
+        """Make the model's files ready before `start`: seconds spent, None if it needs none."""
+        ...
 
     async def start(self, init: wire.Init) -> wire.Ready: ...
 
@@ -48,6 +68,8 @@ class WorkerClient(Protocol):
     async def send_many(self, msgs: list[Any]) -> None: ...
 
     async def recv(self) -> Any | None: ...
+
+    def failure(self, msg: Any) -> WorkerFailed: ...
 
     async def stop(self) -> None: ...
 
@@ -64,6 +86,9 @@ class PipeWorker:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+    async def prepare(self, model: str) -> float:
+        return await ensure_model(model)
 
     async def start(self, init: wire.Init) -> wire.Ready:
         root = str(Path(__file__).resolve().parent.parent)
@@ -89,13 +114,7 @@ class PipeWorker:
 
     def failure(self, msg: Any) -> WorkerFailed:
         """The error to raise for a message that means the worker is gone (Error or EOF)."""
-        if isinstance(msg, wire.Error):
-            return WorkerFailed(self.role, msg.message, msg.traceback)
-        code = self.proc.returncode if self.proc else None
-        what = f"exited with code {code}" if code is not None else "closed its pipe"
-        if msg is not None:
-            what = f"sent an unexpected {type(msg).__name__}"
-        return WorkerFailed(self.role, what, self.log_tail())
+        return worker_failed(self.role, msg, self.proc.returncode if self.proc else None, self.log_tail())
 
     def log_tail(self) -> str:
         if not self.log_path or not self.log_path.exists():

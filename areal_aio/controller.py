@@ -2,7 +2,7 @@
 
     tasks (any iterable / async iterable)
         |
-    [dispatch] --blocks on--> admission: floor((live + G - 1) / B) <= version + eta
+    [dispatch] --blocks on--> Admission (staleness.py): floor((live + G - 1) / B) <= version + eta
         |                      (live = ever admitted - dropped; never lowered by training)
         |  Generate x G (one group)                       ^ capacity event: commit, drop
         v                                                 |
@@ -17,28 +17,30 @@
                                                             v
     [train_loop] (the one finite loop: max_steps / max_wall_s / threshold / stop())
         Train --> trainer pipe --> [trainer_reader] --Trained--> commit version = v+1
+        (requests, replies and the step in flight: TrainerLink, trainer_link.py)
         --> UpdateWeights(v+1) to rollout --> capacity event --> eval every k steps
-        --> every run.checkpoint_every steps: Save(checkpoint) to the trainer (no Train until
-            Saved: both parts hold the same version) + controller state -> checkpoints/step-N
-        --> run.keep_best: a new best eval's version (its store file pinned meanwhile) -> best/
+        --> keeping (Keeper, keeping.py), between steps: a new best eval's version -> best/;
+            every run.checkpoint_every steps a checkpoint -> checkpoints/step-N
     [monitor]  loop lag, queue depths, progress line, row flushing
 
 Who blocks on whom: dispatch waits for the baseline eval (version 0, the
 rollout worker to itself), then for capacity (version commits and drops
 release it); train_loop waits for the replay buffer to hold a fresh batch and
-then for the trainer; readers wait on their pipes. Only train_loop ends the
-run: when it returns, the other tasks are cancelled. Shutdown, on every path
-(normal end, threshold, max_wall_s, Ctrl-C, SIGTERM, a worker failure): while
-the rollout worker is stopped, a trainer that is alive first finishes (and
-commits) a step in flight, then writes model/ (the last committed version),
-best/ and a final checkpoint; then it is stopped too (asked, terminated,
-killed), the weight store folder is removed and the summary written. A worker
-Error or EOF raises WorkerFailed in its reader, which cancels the TaskGroup
-and takes the same shutdown path; so does RewardPoolBroken, raised by a score
-task when the reward pool keeps breaking.
+then for the trainer (no Train is sent while a Save is out: a checkpoint's two
+parts hold the same version); readers wait on their pipes. Only train_loop
+ends the run: when it returns, the other tasks are cancelled. Shutdown, on
+every path (normal end, threshold, max_wall_s, Ctrl-C, SIGTERM, a worker
+failure): while the rollout worker is stopped, a trainer that is alive keeps
+the run (keeping.py: it finishes and commits a step in flight, then writes
+model/, best/ and a final checkpoint); then it is stopped too (asked,
+terminated, killed), the weight store folder is removed and the summary
+written. A worker Error or EOF raises WorkerFailed in its reader, which
+cancels the TaskGroup and takes the same shutdown path; so does
+RewardPoolBroken, raised by a score task when the reward pool keeps breaking.
 
 Resume (`resume=` a run folder): the controller state comes back from the
-newest checkpoint, the trainer starts from its trainer part and publishes that
+newest checkpoint (run_state / _restore here, the best eval and the resumes in
+keeping.py), the trainer starts from its trainer part and publishes that
 version, the rollout worker loads it; the groups admitted but not trained at
 the checkpoint are dispatched again first (same group ids, tasks and sampling
 seeds: the samples they lost in flight are counted as lost_in_flight), then
@@ -50,30 +52,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import math
 import os
-import shutil
-import sys
 import time
-from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
-
-from areal_aio import checkpoint, evaluation, process_reward, wire
-from areal_aio.client import PipeWorker, WorkerClient, WorkerFailed, ensure_model
+from areal_aio import checkpoint, evaluation, keeping, process_reward, stats, wire
+from areal_aio.client import PipeWorker, WorkerClient, WorkerFailed
 from areal_aio.progress import Progress
 from areal_aio.replay import Group, ReplayBuffer
 from areal_aio.reward_pool import RewardPoolBroken
-from areal_aio.rewards import Score, Scorer, component_means, load_rewards
+from areal_aio.rewards import Score, Scorer, load_rewards
 from areal_aio.runlog import RunLog
 from areal_aio.seeds import sample_seed
 from areal_aio.settings import Settings
-from areal_aio.staleness import may_admit, staleness
-from areal_aio.tasks import Task, eval_tasks, read_tasks, training_tasks
+from areal_aio.staleness import Admission, staleness
+from areal_aio.stats import Busy, Counts
+from areal_aio.tasks import Task, eval_tasks, read_tasks, task_stream, training_tasks
+from areal_aio.trainer_link import TrainerLink
 from areal_aio.weight_store import WeightStore
 
 MONITOR_PERIOD_S = 0.05
@@ -81,9 +79,6 @@ MONITOR_PERIOD_S = 0.05
 PROGRESS_PERIOD_S = 2.0
 EVENT_QUEUE = 10_000
 """Events buffered per subscriber; a subscriber that falls further behind loses the oldest."""
-STOP_SAVE_TIMEOUT_S = 600.0
-"""At a stop the trainer may first finish a step in flight, then writes model/ and a checkpoint:
-a few seconds for a 135M model, minutes at most for a large one on a slow disk."""
 
 
 @dataclass(slots=True)
@@ -112,50 +107,6 @@ class PendingGroup:
     dropped: bool = False
 
 
-@dataclass(slots=True)
-class Counts:
-    admitted: int = 0
-    generated: int = 0
-    accepted: int = 0
-    dropped_stale: int = 0
-    dropped_interrupt: int = 0
-    interrupts: int = 0
-    restarts: int = 0
-    reward_failures: int = 0
-    gen_tokens: int = 0
-    eval_tokens: int = 0
-    trained_tokens: int = 0
-    reward_sum: float = 0.0
-    lost_in_flight: int = 0  # rollouts admitted, not trained, lost by a stop and redone on resume
-    staleness_hist: Counter = field(default_factory=Counter)
-
-
-class Busy:
-    """Integrates the time a worker has work in hand (for idle fractions); `on_change(busy)` is
-    called when it starts or stops having work (the `busy` events a report's timeline draws)."""
-
-    def __init__(self, on_change: Callable[[bool], None] = lambda busy: None) -> None:
-        self.active = 0
-        self.total = 0.0
-        self._since = 0.0
-        self._on_change = on_change
-
-    def up(self) -> None:
-        if self.active == 0:
-            self._since = time.perf_counter()
-            self._on_change(True)
-        self.active += 1
-
-    def down(self) -> None:
-        self.active -= 1
-        if self.active == 0:
-            self.total += time.perf_counter() - self._since
-            self._on_change(False)
-
-    def seconds(self) -> float:
-        return self.total + (time.perf_counter() - self._since if self.active else 0.0)
-
-
 class Orchestrator:
     """Runs one training run inside the caller's event loop.
 
@@ -180,11 +131,8 @@ class Orchestrator:
         self.max_in_flight = settings.max_in_flight
         self.B = settings.trainer.batch_size
         self.G = settings.rollout.group_size
-        self._ckpt = resume if isinstance(resume, checkpoint.Checkpoint) or resume is None \
-            else checkpoint.latest(Path(resume))
+        self._ckpt = keeping.resume_from(resume, settings)
         state = self._ckpt.state if self._ckpt is not None else {}
-        if self._ckpt is not None:
-            checkpoint.check_compatible(self._ckpt, settings)
         consumed = state.get("consumed", 0)
         self._skip = consumed if tasks is not None else 0  # a caller's source: skip what was taken
         rows = read_tasks(settings.task) if tasks is None or eval_set is None else None  # read once
@@ -199,18 +147,16 @@ class Orchestrator:
         self._name = name
         self.rollout = rollout or PipeWorker("rollout", self.folder / "rollout.log", settings.rollout.threads)
         self.trainer = trainer or PipeWorker("trainer", self.folder / "trainer.log", settings.trainer.threads)
-        self.version = 0
+        # the admission rule's state (live, trained, version, capacity): areal_aio.staleness
+        self.admission = Admission(self.B, self.eta, self.max_in_flight,
+                                   version=state.get("version", 0), trained=state.get("trained", 0))
         self.step = 0
-        self.live = 0  # rollouts ever admitted and not dropped: N_r of the admission rule
-        self.trained = 0  # rollouts trained: live - trained are outstanding
         self.counts = Counts()
         self.replay = ReplayBuffer()
         self.summary: dict[str, Any] = {}
         self._groups: dict[int, PendingGroup] = {}
         self._requests: dict[str, Sample] = {}
         self._eval_waiters: dict[str, asyncio.Future] = {}
-        self._trained: asyncio.Future | None = None
-        self._capacity = asyncio.Event()
         self._batch_ready = asyncio.Event()
         self._baseline_done = asyncio.Event()
         self._stop = asyncio.Event()
@@ -219,8 +165,12 @@ class Orchestrator:
         self._group_ids = itertools.count()
         self._rollout_busy = Busy(lambda on: self.log.events.info("busy", worker="rollout", busy=on))
         self._trainer_busy = Busy(lambda on: self.log.events.info("busy", worker="trainer", busy=on))
+        # Train and Save requests, their replies, the step in flight: areal_aio.trainer_link
+        self.link = TrainerLink(self.trainer, self._trainer_busy, self._commit)
+        # checkpoints, resume, model/ and best/, the best eval: areal_aio.keeping
+        self.keeper = keeping.Keeper(self, self._ckpt)
         self._subscribers: list[asyncio.Queue] = []
-        self._eval_curve: list[dict] = []
+        self.eval_curve: list[dict] = []
         self._evals: set[asyncio.Task] = set()
         self._commit_wall: dict[int, float] = {0: 0.0}
         self._time_to_threshold: float | None = None
@@ -231,17 +181,9 @@ class Orchestrator:
         self.log: RunLog | None = None
         self.store: WeightStore | None = None
         self._consumed = 0  # tasks taken from the source (resume skips them)
-        self._in_step: tuple | None = None  # (step, samples, stale, wait_s, t0) of the Train in flight
-        self._saved: asyncio.Future | None = None
         self._workers_up = False
         self._lock = None
-        self._eval_starts: dict[int, int] = {}  # eval step -> version it started on (keep_best pins)
-        self._best = {"pass_rate": -1.0, "version": None, "step": None}
-        self._best_pending: int | None = None  # a new best version not yet exported
         self._redispatch: list[tuple[int, Task]] = []
-        self._late: wire.Trained | None = None
-        self._outstanding = 0  # Train and Save messages the trainer has not answered yet
-        self._resumes: list[dict] = []
         self._spent = 0.0  # wall seconds of the run before this process (resume)
         self._process = process_reward.StepCredit(settings, self._send_continuations,
                                                   lambda task, text: self._scorer.score(task, text))
@@ -249,9 +191,14 @@ class Orchestrator:
             self._restore(state)
         r = settings.run
         self._watch = Progress(r.max_steps, self.folder, show=r.progress,
-                               completions_every=r.log_completions_every, evals=self._eval_curve)
+                               completions_every=r.log_completions_every, evals=self.eval_curve)
 
     # ------------------------------------------------------------------ public
+
+    @property
+    def version(self) -> int:
+        """The committed policy version (owned by `admission`; only a commit advances it)."""
+        return self.admission.version
 
     def stop(self) -> None:
         """Ask the run to end after the current step (then final eval, summary)."""
@@ -273,24 +220,23 @@ class Orchestrator:
 
         Raises checkpoint.CheckpointError, before touching anything, when the folder already
         holds a run (without resume) or another run is using it."""
-        self._lock = checkpoint.claim(self.folder, resume=self._ckpt is not None)
-        if self._ckpt is not None:
-            checkpoint.truncate_rows(self.folder, self._ckpt.state["rows"])
+        self._lock = self.keeper.claim()
         self.log = RunLog(self.folder, self.settings.to_toml(), append=self._ckpt is not None)
         self._scorer = Scorer(self._reward, timeout_s=self.settings.controller.reward_timeout_s,
                               procs=self.settings.controller.reward_procs,
                               log_path=self.folder / "reward.log")
         error: BaseException | None = None
         try:
-            if isinstance(self.rollout, PipeWorker) or isinstance(self.trainer, PipeWorker):
-                prep_s = await ensure_model(self.settings.model.path)
-                self._cold_start["prepare_s"] = round(prep_s, 3)
+            prep = [await w.prepare(self.settings.model.path) for w in (self.rollout, self.trainer)]
+            if any(p is not None for p in prep):
+                self._cold_start["prepare_s"] = round(sum(p or 0.0 for p in prep), 3)
             self.store = WeightStore.create(self._name.replace("/", "_"))
             await self._start_workers()
             self._t0 = time.perf_counter() - self._spent
-            if self._ckpt is not None:
-                self._resumed()
-            self._emit("run_start", mode=self.settings.run.mode, eta=_num(self.eta))
+            if self._ckpt is not None:  # the groups to dispatch again lost their samples in flight
+                self.counts.lost_in_flight += (lost := self.G * len(self._redispatch))
+                self.keeper.resumed(lost, self._spent)
+            self._emit("run_start", mode=self.settings.run.mode, eta=stats.num(self.eta))
             await self._supervise()
         except BaseException as exc:
             error = exc
@@ -330,7 +276,7 @@ class Orchestrator:
             self._tg = tg
             self._dispatcher = tg.create_task(self._dispatch(), name="dispatch")
             helpers = [self._dispatcher] + [tg.create_task(coro, name=name) for name, coro in (
-                ("rollout_reader", self._rollout_reader()), ("trainer_reader", self._trainer_reader()),
+                ("rollout_reader", self._rollout_reader()), ("trainer_reader", self.link.read()),
                 ("monitor", self._monitor()))]
             await tg.create_task(self._train_loop(), name="train_loop")
             for task in helpers:
@@ -340,7 +286,7 @@ class Orchestrator:
         for task in list(self._evals):
             task.cancel()
         failure = _worker_failure(error)
-        await asyncio.gather(self.rollout.stop(), self._keep_and_stop_trainer(failure),
+        await asyncio.gather(self.rollout.stop(), self.keeper.keep_and_stop_trainer(failure, self._workers_up),
                              return_exceptions=True)
         await self._scorer.aclose()
         if self.store is not None:
@@ -357,33 +303,15 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ dispatch
 
-    async def _task_stream(self) -> AsyncIterator[Task]:
-        skip = self._skip
-        if isinstance(self._tasks, AsyncIterable):
-            async for task in self._tasks:
-                if skip:
-                    skip -= 1
-                    continue
-                yield task
-        else:
-            for task in itertools.islice(self._tasks, skip, None):
-                yield task
-
     async def _dispatch(self) -> None:
-        """Admit one group at a time while the rate rule allows; the only writer of `live` upward."""
-        stream = self._task_stream()
+        """Admit one group at a time while the rate rule allows; the only caller of `admit`."""
+        stream = task_stream(self._tasks, self._skip)
         await self._baseline_done.wait()
         for gid, task in self._redispatch:  # admitted before the stop: admitted again first
-            samples = [Sample(f"g{gid}.{i}", gid, task, i) for i in range(self.G)]
-            self._groups[gid] = PendingGroup(task, samples)
-            self.live += self.G
-            await self._generate(*samples)
+            await self._admit(gid, task)
         self._redispatch = []
         while True:
-            while not may_admit(self.live, self.G, self.B, self.version, self.eta,
-                                self.live - self.trained, self.max_in_flight):
-                self._capacity.clear()
-                await self._capacity.wait()
+            await self.admission.wait(self.G)
             try:
                 task = await anext(stream)
             except StopAsyncIteration:
@@ -391,13 +319,15 @@ class Orchestrator:
                 self._batch_ready.set()  # let train_loop notice it can never fill a batch
                 return
             self._consumed += 1
-            gid = next(self._group_ids)
-            samples = [Sample(f"g{gid}.{i}", gid, task, i) for i in range(self.G)]
-            self._groups[gid] = PendingGroup(task, samples)
-            self.live += self.G
             self.counts.admitted += self.G
-            await self._generate(*samples)
+            await self._admit(next(self._group_ids), task)
             await asyncio.sleep(0)  # a pipe with room never blocks: let readers in between groups
+
+    async def _admit(self, gid: int, task: Task) -> None:
+        samples = [Sample(f"g{gid}.{i}", gid, task, i) for i in range(self.G)]
+        self._groups[gid] = PendingGroup(task, samples)
+        self.admission.admit(self.G)
+        await self._generate(*samples)
 
     async def _generate(self, *samples: Sample) -> None:
         """One Generate per sample, written together (one pipe drain for a whole group)."""
@@ -428,7 +358,7 @@ class Orchestrator:
                                          load_s=round(msg.load_s, 4), rebuilt=msg.rebuilt)
                     self._emit("weights_loaded", version=msg.version, load_s=msg.load_s, rebuilt=msg.rebuilt)
                 case _:
-                    raise _failure(self.rollout, msg)
+                    raise self.rollout.failure(msg)
 
     def _on_completion(self, msg: wire.Completion) -> None:
         sample = self._requests.pop(msg.request_id, None)
@@ -441,9 +371,7 @@ class Orchestrator:
             self._restart(sample, group)
             return
         sample.completion = msg
-        self.counts.generated += 1
-        self.counts.gen_tokens += len(msg.completion_ids)
-        self.counts.interrupts += msg.interrupts  # per sample in samples.jsonl; rebuilds in weights_loaded
+        self.counts.completed(msg)
         if self._scorer.inline and not self._process.enabled:
             self._scored(sample, group, self._scorer.score_inline(sample.task, msg.text))
         else:
@@ -482,8 +410,7 @@ class Orchestrator:
     def _scored(self, sample: Sample, group: PendingGroup, score: Score) -> None:
         """A sample's reward is in; a group whose every sample is scored enters the replay buffer."""
         sample.score = score
-        self.counts.reward_failures += score.failed
-        self.counts.reward_sum += score.reward
+        self.counts.scored(score)
         group.scored += 1
         if group.scored == len(group.samples) and not group.dropped:
             del self._groups[sample.group_id]
@@ -492,34 +419,12 @@ class Orchestrator:
 
     def _drop(self, samples: list[Sample], why: str) -> None:
         """Give the admission slots back and record the drop."""
-        self.live -= len(samples)
-        if why == "stale":
-            self.counts.dropped_stale += len(samples)
-        else:
-            self.counts.dropped_interrupt += len(samples)
+        self.admission.drop(len(samples))
+        self.counts.dropped(len(samples), why)
         for s in samples:
-            self._sample_row(s, dropped=why)
-        self._capacity.set()
+            self.log.row("samples", stats.sample_row(s, dropped=why))
 
     # ------------------------------------------------------------------ training side
-
-    async def _trainer_reader(self) -> None:
-        while True:
-            msg = await self.trainer.recv()
-            match msg:
-                case wire.Trained() | wire.Saved():
-                    waiter = self._trained if isinstance(msg, wire.Trained) else self._saved
-                    if waiter is None or (waiter.done() and not waiter.cancelled()):
-                        raise _failure(self.trainer, msg)
-                    self._outstanding -= 1
-                    if not waiter.done():
-                        waiter.set_result(msg)
-                    elif isinstance(msg, wire.Trained):
-                        # the run is stopping and cancelled its step first: a late reply, not a
-                        # fault; the stop commits it (the trainer holds that version now)
-                        self._late = msg
-                case _:
-                    raise _failure(self.trainer, msg)
 
     async def _next_batch(self) -> list[Group] | None:
         """Wait for B/G fresh groups; staleness is measured and enforced here."""
@@ -546,7 +451,7 @@ class Orchestrator:
             # The baseline eval runs alone on version 0, before any training rollout is dispatched.
             await self._evaluate(0, 0)
         elif self.step % self.settings.task.eval_every == 0 and \
-                not any(row["step"] == self.step for row in self._eval_curve):
+                not any(row["step"] == self.step for row in self.eval_curve):
             self._start_eval()  # the checkpoint's own eval was in flight: this version is loaded
         self._baseline_done.set()
         while self.step < self.settings.run.max_steps and not self._should_stop():
@@ -561,13 +466,13 @@ class Orchestrator:
             last = self.step >= self.settings.run.max_steps or self._should_stop()
             if self.step % self.settings.task.eval_every == 0 and not last:
                 self._start_eval()
-            if self._best_pending is not None:
-                await self._export_best()
+            if self.keeper.best_pending is not None:
+                await self.keeper.export_best()
             if every and self.step % every == 0 and not last:
-                await self._checkpoint()
+                await self.keeper.checkpoint()
         # the final eval gets the rollout worker to itself: training rollouts end first
         await self._stop_generating()
-        if not any(row["step"] == self.step for row in self._eval_curve) and \
+        if not any(row["step"] == self.step for row in self.eval_curve) and \
                 not any(t.get_name() == f"eval-{self.step}" for t in self._evals):
             self._start_eval()
         if self._evals:
@@ -593,54 +498,33 @@ class Orchestrator:
                                           s.completion.logprobs, s.completion.versions,
                                           s.score.reward, s.group_id) for s in samples]
         step = self.step + 1
-        self._trained = asyncio.get_running_loop().create_future()
-        self._trainer_busy.up()
-        t0 = time.perf_counter()
-        # set before sending: once the frame is written, a stop must wait for (and keep) the step
-        self._in_step = (step, samples, stale, wait_s, t0)
-        self._outstanding += 1
-        await self.trainer.send(wire.Train(step, self.version, train_samples))
-        trained: wire.Trained = await self._trained
-        self._commit(trained)
+        # committed by the link (self._commit) before it returns; a stop keeps it in flight
+        trained = await self.link.train(wire.Train(step, self.version, train_samples),
+                                        (step, samples, stale, wait_s, time.perf_counter()))
         await self.rollout.send(wire.UpdateWeights(self.version, trained.path))
         if self.settings.controller.on_interrupt == "restart":
             for rid in list(self._requests):
                 await self.rollout.send(wire.Abort(rid))
 
-    def _commit(self, trained: wire.Trained) -> None:
+    def _commit(self, record: tuple, trained: wire.Trained) -> None:
         """Advance the clock to a Trained version and record its step (the rollout worker is
-        told by the caller, after this)."""
-        step, samples, stale, wait_s, t0 = self._in_step
-        self._in_step = None
-        self._trainer_busy.down()
+        told by the train loop, after this); `record` is (step, samples, stale, wait_s, t0)."""
+        step, samples, stale, wait_s, t0 = record
         train_s = time.perf_counter() - t0
         if trained.version != self.version + 1:
             raise WorkerFailed("trainer", f"reported version {trained.version} after {self.version}")
         # Commit: the controller is the only writer of the clock, and tells the rollout worker only now.
         self.step = step
-        self.version = trained.version
+        self.admission.commit(trained.version, len(samples))
         wall = time.perf_counter() - self._t0
         self._commit_wall[self.version] = wall
-        self._retain()
-        self.trained += len(samples)
-        self._capacity.set()
-        self.counts.accepted += len(samples)
-        self.counts.trained_tokens += sum(len(s.completion.completion_ids) for s in samples)
-        self.counts.staleness_hist.update(stale)
+        self.keeper.retain()
+        self.counts.trained(sum(len(s.completion.completion_ids) for s in samples), stale)
         self._max_trained_staleness = max(self._max_trained_staleness, *stale)
         for s, st in zip(samples, stale, strict=True):
-            self._sample_row(s, staleness=st, step=self.step)
-        rewards = [s.score.reward for s in samples]
-        row = {"step": self.step, "version": self.version, "wall_s": round(wall, 3),
-               "train_s": round(train_s, 3), "wait_s": round(wait_s, 3),
-               "reward_mean": sum(rewards) / len(rewards), **component_means([s.score for s in samples]),
-               "pass_rate": sum(s.score.passed for s in samples) / len(samples),
-               "strict_rate": sum(s.score.strict for s in samples) / len(samples),
-               "staleness_max": max(stale), "staleness_mean": sum(stale) / len(stale),
-               "replay_groups": len(self.replay), "in_flight": len(self._requests),
-               "gen_tokens_per_s": (self.counts.gen_tokens + self.counts.eval_tokens) / max(wall, 1e-9),
-               "train_tokens_per_s": self.counts.trained_tokens / max(wall, 1e-9),
-               **{k: v for k, v in trained.stats.items() if k not in ("step", "version")}}
+            self.log.row("samples", stats.sample_row(s, staleness=st, step=self.step))
+        row = stats.step_row(self.step, self.version, wall, train_s, wait_s, samples, stale, self.counts,
+                             trained, replay_groups=len(self.replay), in_flight=len(self._requests))
         if self._process.enabled:
             row |= process_reward.step_fields([s.process for s in samples], self.counts.gen_tokens,
                                               self._process)
@@ -649,135 +533,23 @@ class Orchestrator:
         self._publish({"kind": "step", **row})
         self._watch.step(row, samples)
 
-    def _retain(self) -> None:
-        """Keep in the store what someone may still load: the newest and the one before (the
-        rollout worker may be mid-load); with keep_best also every version an eval in flight
-        may be stamped with, and a best not yet exported."""
-        keep = {self.version, self.version - 1}
-        if self.settings.run.keep_best:
-            floors = [*self._eval_starts.values(), *([self._best_pending] if self._best_pending else [])]
-            if floors:
-                keep |= set(range(min(floors), self.version + 1))
-        self.store.retain(keep)
+    # ------------------------------------------------------------------ resuming
 
-    # ------------------------------------------------------------------ keeping the run
-
-    async def _save(self, kind: str, path: Path, weights: str = "") -> wire.Saved:
-        """One Save to the trainer (from the train loop, between steps); its Saved."""
-        self._saved = asyncio.get_running_loop().create_future()
-        self._trainer_busy.up()
-        try:
-            self._outstanding += 1
-            await self.trainer.send(wire.Save(kind, str(path), weights))
-            return await self._saved
-        finally:
-            self._trainer_busy.down()
-
-    async def _checkpoint(self, request: Callable[..., Any] | None = None) -> None:
-        """Controller state now, trainer part next (the trainer holds this version: no Train is
-        sent until it is saved), then the atomic rename (areal_aio.checkpoint)."""
-        t0 = time.perf_counter()
-        state = self._state()
-        tmp = checkpoint.begin(self.folder, self.step)
-        saved = await (request or self._save)("checkpoint", tmp / "trainer")
-        if saved.version != self.version:
-            raise WorkerFailed("trainer", f"saved version {saved.version} for a checkpoint of {self.version}")
-        await self.log.settle()  # the rows the checkpoint counts are on disk before it exists
-        path, size = await asyncio.to_thread(checkpoint.commit, self.folder, tmp, state,
-                                             self.settings.run.keep_checkpoints)
-        self.log.events.info("checkpoint", step=self.step, version=self.version, path=str(path),
-                             bytes=size, seconds=round(time.perf_counter() - t0, 3),
-                             trainer_s=round(saved.seconds, 3))
-
-    async def _export(self, name: str, version: int, request: Callable[..., Any] | None = None,
-                      weights: str = "") -> None:
-        """The policy of `version` as an HF folder at <run>/<name>, replaced whole."""
-        t0 = time.perf_counter()
-        tmp = self.folder / f".{name}.tmp"
-        await asyncio.to_thread(shutil.rmtree, tmp, True)
-        saved = await (request or self._save)("model", tmp, weights)
-        if not weights and saved.version != version:
-            raise WorkerFailed("trainer", f"exported version {saved.version}, expected {version}")
-        info = {"version": version, "step": self.step if name == "model" else self._best["step"],
-                "eval": next((r for r in reversed(self._eval_curve) if r["version"] == version), None),
-                "settings": self.settings.to_dict()}
-        (tmp / "areal_aio.json").write_bytes(orjson.dumps(info, option=orjson.OPT_INDENT_2))
-        await asyncio.to_thread(checkpoint.replace_folder, tmp, self.folder / name)
-        self.log.events.info("exported", folder=name, version=version, bytes=saved.bytes,
-                             seconds=round(time.perf_counter() - t0, 3))
-
-    async def _export_best(self, request: Callable[..., Any] | None = None) -> None:
-        version = self._best_pending
-        # the live weights when they are that version, else its (pinned) weight-store file
-        await self._export("best", version, request, "" if version == self.version else str(self.store.path(version)))
-        if self._best_pending == version:
-            self._best_pending = None
-        self._retain()
-
-    async def _keep_and_stop_trainer(self, failure: WorkerFailed | None) -> None:
-        """At a stop: a trainer that is alive keeps the run (finishes a step in flight, writes
-        model/, best/, a checkpoint), then is stopped."""
-        try:
-            if self._workers_up and not (failure is not None and failure.role == "trainer"):
-                await asyncio.wait_for(self._keep_at_stop(), STOP_SAVE_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - keeping must never hide why the run stopped
-            if self.log is not None:
-                self.log.events.info("keep_failed", error=f"{type(exc).__name__}: {exc}")
-            print(f"areal_aio: could not write model/ or the final checkpoint: {exc}", file=sys.stderr)
-        finally:
-            await self.trainer.stop()
-
-    async def _keep_at_stop(self) -> None:
-        if self._late is not None and self._in_step is not None:
-            self._commit(self._late)  # it reached the reader before the reader was cancelled
-        while self._outstanding:  # replies to what was sent before the stop come first
-            await self._stop_reply()
-        if self.version < 1:
-            return
-        await self._export("model", self.version, self._stop_request)
-        if self._best_pending is not None:
-            await self._export_best(self._stop_request)
-        if self.settings.run.checkpoint_every:
-            await self._checkpoint(self._stop_request)
-
-    async def _stop_request(self, kind: str, path: Path, weights: str = "") -> wire.Saved:
-        """A Save at a stop, its reply read here (the trainer reader is gone)."""
-        self._outstanding += 1
-        await self.trainer.send(wire.Save(kind, str(path), weights))
-        return await self._stop_reply()
-
-    async def _stop_reply(self) -> wire.Saved | None:
-        """The trainer's next reply at a stop: a step in flight is committed, a Saved returned."""
-        msg = await self.trainer.recv()
-        match msg:
-            case wire.Trained() if self._in_step is not None:
-                self._outstanding -= 1
-                self._commit(msg)
-                return None
-            case wire.Saved():
-                self._outstanding -= 1
-                return msg
-            case _:
-                raise _failure(self.trainer, msg)
-
-    def _state(self) -> dict[str, Any]:
-        """Everything resuming needs, at one instant after a commit (the row files' sizes, counting
-        rows not yet written, mark where a resume cuts them back to)."""
+    def run_state(self) -> dict[str, Any]:
+        """The controller's part of a checkpoint, at one instant after a commit (areal_aio.keeping
+        adds the best eval, the resumes, the row files' sizes and the settings)."""
         open_groups = {gid: g.task for gid, g in self._groups.items() if not g.dropped}
         open_groups.update({g.group_id: g.task for g in self.replay.groups()})
-        c = self.counts
-        counts = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "staleness_hist"}
+        counts, hist = self.counts.state()
         return {
-            "step": self.step, "version": self.version, "trained": self.trained, "consumed": self._consumed,
+            "step": self.step, "version": self.version, "trained": self.admission.trained, "consumed": self._consumed,
             "next_group": self._next_group(), "wall_s": time.perf_counter() - self._t0,
             "open_groups": [{"group": gid, "task": dataclasses.asdict(task)}
                             for gid, task in sorted(open_groups.items())],
-            "counts": counts, "staleness_hist": {str(k): v for k, v in c.staleness_hist.items()},
-            "eval_curve": self._eval_curve, "commit_wall": {str(k): v for k, v in self._commit_wall.items()},
+            "counts": counts, "staleness_hist": hist,
+            "eval_curve": self.eval_curve, "commit_wall": {str(k): v for k, v in self._commit_wall.items()},
             "time_to_threshold": self._time_to_threshold, "max_trained_staleness": self._max_trained_staleness,
-            "best": self._best, "best_pending": self._best_pending,
             "busy": {"rollout": self._rollout_busy.seconds(), "trainer": self._trainer_busy.seconds()},
-            "rows": self.log.sizes(), "resumes": self._resumes, "settings": self.settings.to_dict(),
             "process": self._process.state()}
 
     def _next_group(self) -> int:
@@ -788,30 +560,18 @@ class Orchestrator:
 
     def _restore(self, state: dict[str, Any]) -> None:
         """The controller as it was at the checkpoint; its open groups are dispatched again."""
-        self.step, self.version, self.trained = state["step"], state["version"], state["trained"]
-        self.live = self.trained
+        self.step = state["step"]  # version and trained: self.admission, made from this state
         self._consumed = state["consumed"]
         self._group_ids = itertools.count(state["next_group"])
         self._spent = state["wall_s"]
-        self.counts = Counts(**state["counts"], staleness_hist=Counter(
-            {int(k): v for k, v in state["staleness_hist"].items()}))
-        self._eval_curve = list(state["eval_curve"])
+        self.counts = Counts.from_state(state["counts"], state["staleness_hist"])
+        self.eval_curve = list(state["eval_curve"])
         self._commit_wall = {int(k): v for k, v in state["commit_wall"].items()}
         self._time_to_threshold = state["time_to_threshold"]
         self._max_trained_staleness = state["max_trained_staleness"]
-        self._best, self._best_pending = dict(state["best"]), None  # that version's file is gone
         self._rollout_busy.total, self._trainer_busy.total = state["busy"]["rollout"], state["busy"]["trainer"]
         self._redispatch = [(g["group"], Task(**g["task"])) for g in state["open_groups"]]
-        self._resumes = list(state["resumes"])
         self._process.restore(state.get("process"))
-
-    def _resumed(self) -> None:
-        lost = self.G * len(self._redispatch)
-        self.counts.lost_in_flight += lost
-        entry = {"step": self.step, "version": self.version, "checkpoint": self._ckpt.path.name,
-                 "lost_in_flight": lost, "wall_s": round(self._spent, 3)}
-        self._resumes.append(entry)
-        self.log.events.info("resumed", **entry)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -823,7 +583,7 @@ class Orchestrator:
     async def _evaluate(self, step: int, version: int) -> None:
         """Greedy answers on the held-out set (areal_aio.evaluation); never enters training."""
         loop = asyncio.get_running_loop()
-        self._eval_starts[step] = version
+        self.keeper.eval_starts[step] = version
         try:
             futures = []
             for msg in evaluation.requests(self._eval_set, step, self.settings):
@@ -834,7 +594,7 @@ class Orchestrator:
             completions = [await fut for fut in futures]
             scores = await evaluation.score(self._scorer, self._eval_set, completions)
         finally:
-            del self._eval_starts[step]
+            del self.keeper.eval_starts[step]
         self.counts.eval_tokens += sum(len(c.completion_ids) for c in completions)
         # With interrupts on, an eval answer can finish under newer weights than it started with;
         # the row is stamped with the newest version used, at the time that version was committed.
@@ -844,11 +604,8 @@ class Orchestrator:
                "versions": [min(c.oldest_version for c in completions), newest]}
         for sample_row in evaluation.sample_rows(step, self._eval_set, completions, scores):
             self.log.row("samples", sample_row)
-        if newest >= 1 and row["pass_rate"] > self._best["pass_rate"]:
-            self._best = {"pass_rate": row["pass_rate"], "version": newest, "step": step}
-            if self.settings.run.keep_best:
-                self._best_pending = newest  # exported by the train loop (or at the stop)
-        self._eval_curve.append(row)
+        self.keeper.evaluated(row)  # a new best: exported by the train loop (or at the stop)
+        self.eval_curve.append(row)
         self.log.events.info("eval", **row)
         self._publish({"kind": "eval", **row})
         threshold = self.settings.run.threshold
@@ -878,7 +635,7 @@ class Orchestrator:
             if now - last_progress >= PROGRESS_PERIOD_S:
                 last_progress = now
                 self.log.events.info("queues", in_flight=len(self._requests), replay_groups=len(self.replay),
-                                     pending_groups=len(self._groups), live=self.live, version=self.version)
+                                     pending_groups=len(self._groups), live=self.admission.live, version=self.version)
                 await self.log.flush()
                 self._watch.refresh()
 
@@ -889,64 +646,17 @@ class Orchestrator:
         for queue in self._subscribers:
             _put_latest(queue, item)
 
-    def _sample_row(self, s: Sample, *, staleness: int | None = None, step: int | None = None,
-                    dropped: str | None = None) -> None:
-        c = s.completion
-        self.log.row("samples", {
-            "kind": "train", "request_id": s.request_id, "group": s.group_id, "task_id": s.task.id,
-            "prompt": s.task.prompt, "answer": s.task.answer, "reply": c.text if c else None,
-            "reward": s.score.reward if s.score else None, "pass": s.score.passed if s.score else None,
-            "strict": s.score.strict if s.score else None,
-            "reward_failed": s.score.failed if s.score else None,
-            **({"rewards": s.score.components} if s.score and s.score.components else {}),
-            "oldest_version": c.oldest_version if c else None, "newest_version": c.newest_version if c else None,
-            "staleness": staleness, "interrupts": c.interrupts if c else None, "retries": s.retries,
-            "dropped": dropped, "step": step, "tokens": len(c.completion_ids) if c else 0,
-            **({"process": s.process} if s.process is not None else {})})
-
     # ------------------------------------------------------------------ summary
 
     def _summarize(self, error: BaseException | None) -> dict:
-        wall = time.perf_counter() - self._t0 if self._t0 else 0.0
-        c = self.counts
-        unused = c.admitted - c.accepted - c.dropped_stale - c.dropped_interrupt
-        s = self.settings
-        return {
-            "mode": s.run.mode, "max_staleness": _num(self.eta), "objective": s.trainer.objective,
-            "interrupt": s.rollout.interrupt, "seed": s.run.seed, "model": s.model.path,
-            **self._cold_start, "wall_s": round(wall, 3), "steps": self.step, "final_version": self.version,
-            "samples_admitted": c.admitted, "samples_generated": c.generated, "samples_accepted": c.accepted,
-            "samples_dropped_stale": c.dropped_stale, "samples_dropped_interrupt": c.dropped_interrupt,
-            "samples_unused": unused, "interrupts": c.interrupts, "restarts": c.restarts,
-            "reward_failures": c.reward_failures, "max_staleness_trained": self._max_trained_staleness,
-            "lost_in_flight": c.lost_in_flight, "resumes": self._resumes,
-            "best_eval": self._best if self._best["version"] is not None else None,
-            "staleness_hist": {str(k): v for k, v in sorted(c.staleness_hist.items())},
-            "eval_curve": sorted(self._eval_curve, key=lambda r: r["step"]),
-            "threshold": s.run.threshold or None, "time_to_threshold_s": self._time_to_threshold,
-            "reward_per_1k_tokens": 1000 * c.reward_sum / c.gen_tokens if c.gen_tokens else 0.0,
-            "gen_tokens": c.gen_tokens, "eval_tokens": c.eval_tokens, "trained_tokens": c.trained_tokens,
-            "process_mode": s.process.mode, **self._process.stats(c.gen_tokens),
-            "gen_tokens_per_s": (c.gen_tokens + c.eval_tokens) / wall if wall else 0.0,
-            "train_tokens_per_s": c.trained_tokens / wall if wall else 0.0,
-            "rollout_idle_frac": 1 - self._rollout_busy.seconds() / wall if wall else None,
-            "trainer_idle_frac": 1 - self._trainer_busy.seconds() / wall if wall else None,
-            "loop_lag_max_ms": round(1000 * self._lag_max, 2),
-            "folder": str(self.folder),
-            "error": None if error is None else (str(error) or type(error).__name__),
-        }
-
-
-def _num(x: float) -> float | int | None:
-    return None if math.isinf(x) else int(x)
-
-
-def _failure(worker: Any, msg: Any) -> WorkerFailed:
-    if hasattr(worker, "failure"):
-        return worker.failure(msg)
-    if isinstance(msg, wire.Error):
-        return WorkerFailed(worker.role, msg.message, msg.traceback)
-    return WorkerFailed(worker.role, f"unexpected {type(msg).__name__}")
+        return stats.summarize(
+            self.settings, self.counts, wall=time.perf_counter() - self._t0 if self._t0 else 0.0,
+            steps=self.step, version=self.version, cold_start=self._cold_start,
+            max_trained_staleness=self._max_trained_staleness, resumes=self.keeper.resumes, best=self.keeper.best,
+            eval_curve=self.eval_curve, time_to_threshold=self._time_to_threshold,
+            process=self._process.stats(self.counts.gen_tokens), rollout_busy_s=self._rollout_busy.seconds(),
+            trainer_busy_s=self._trainer_busy.seconds(), lag_max_s=self._lag_max, folder=str(self.folder),
+            error=error)
 
 
 def _worker_failure(error: BaseException | None) -> WorkerFailed | RewardPoolBroken | None:

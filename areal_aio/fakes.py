@@ -9,6 +9,9 @@ the ones in flight finish on the old weights, load, then start the held ones). I
 The fake trainer answers Train after `step_delay_s` with the next version, and
 Save by writing small stand-in files (a checkpoint part it can resume from: its
 version; a "model" folder with a config.json). Both record what happened (`log`) so tests can check ordering and overlap.
+`stop()` (or Shutdown) and `kill()` end either one the way a subprocess ends: recv gives None
+after what was already sent, a send raises WorkerFailed, and `failure` names the exit code
+(-9 when killed), as PipeWorker's does.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_aio import wire
+from areal_aio.client import WorkerFailed, worker_failed
 
 
 @functools.lru_cache(maxsize=4096)
@@ -41,8 +45,52 @@ def policy_continuation(msg: wire.Generate, version: int) -> str:
     return solving_policy(msg.prompt, version)
 
 
+def prompt_ids(msg: wire.Generate) -> list[int]:
+    """Stand-in token ids of what the real worker feeds the model: the chat (the task's turns,
+    or the prompt as one user turn), then any reply prefix; one id per UTF-8 byte."""
+    turns = msg.messages or [{"role": "user", "content": msg.prompt}]
+    text = "".join(f"<{t['role']}>{t['content']}\n" for t in turns) + "<assistant>" + msg.prefix
+    return list(text.encode())
+
+
+KILLED = -9
+"""The exit code a killed fake reports (a subprocess killed by SIGKILL)."""
+
+
 class _FakeWorker:
+    role: str
+    returncode: int | None = None  # set once the fake "process" is gone
+    _out: asyncio.Queue
+
+    async def prepare(self, model: str) -> None:
+        """No model files: a fake needs none."""
+        return None
+
     async def send(self, msg: Any) -> None:
+        raise NotImplementedError
+
+    def _alive(self) -> None:
+        if self.returncode is not None:
+            raise WorkerFailed(self.role, "pipe closed while sending")
+
+    def failure(self, msg: Any) -> WorkerFailed:
+        return worker_failed(self.role, msg, self.returncode)
+
+    def kill(self) -> None:
+        """Die now: work in hand is lost, recv ends with None after what was already sent."""
+        self._exit(KILLED)
+
+    async def stop(self) -> None:
+        """Exit as a worker asked to (Shutdown) does: work in hand is dropped, recv ends."""
+        self._exit(0)
+
+    def _exit(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self._cancel()
+            self._out.put_nowait(None)
+
+    def _cancel(self) -> None:
         raise NotImplementedError
 
     async def send_many(self, msgs: list[Any]) -> None:
@@ -73,6 +121,8 @@ class FakeRollout(_FakeWorker):
         self._running: dict[str, asyncio.Task] = {}
         self._waiting: list[wire.Generate] = []
         self._interrupts: dict[str, int] = {}
+        self._requests: dict[str, wire.Generate] = {}  # started and not answered
+        self._progress: dict[str, list[int]] = {}  # running: the versions of its tokens so far
         self.log: list[tuple[float, str, Any]] = []
 
     async def start(self, init: wire.Init) -> wire.Ready:
@@ -80,6 +130,7 @@ class FakeRollout(_FakeWorker):
         return wire.Ready(role=self.role, pid=os.getpid(), load_s=0.0, device="fake", version=0)
 
     async def send(self, msg: Any) -> None:
+        self._alive()
         match msg:
             case wire.Generate(request_id=rid):
                 if rid == self.fail_on:
@@ -93,11 +144,12 @@ class FakeRollout(_FakeWorker):
                 waiting = [m for m in self._waiting if m.request_id == rid]
                 if waiting:
                     self._waiting.remove(waiting[0])
-                    await self._out.put(self._completion(rid, [], [], "abort"))
+                    self._requests[rid] = waiting[0]
+                    await self._out.put(self._completion(rid, [], "abort"))
                 task = self._running.pop(rid, None)
                 if task is not None:
-                    task.cancel()
-                    await self._out.put(self._completion(rid, [], [], "abort"))
+                    task.cancel()  # like the real worker: the tokens made so far come back
+                    await self._out.put(self._completion(rid, self._progress.pop(rid, []), "abort"))
                     if not self._running:  # drained by aborts: a held update loads now
                         await self._load()
             case wire.UpdateWeights():
@@ -112,10 +164,11 @@ class FakeRollout(_FakeWorker):
     def _start(self, msg: wire.Generate) -> None:
         self.log.append((time.perf_counter(), "generate", msg.request_id))
         self._interrupts[msg.request_id] = 0
+        self._requests[msg.request_id] = msg
         if self.instant:
-            versions = [self.version] * self.tokens
-            self._out.put_nowait(self._completion(msg.request_id, list(range(self.tokens)), versions,
-                                                  "stop", self.answer(msg, self.version)))
+            versions = [self.version] * min(self.tokens, msg.max_new_tokens)
+            self._out.put_nowait(self._completion(msg.request_id, versions, self._finish(msg),
+                                                  self.answer(msg, self.version)))
             self.log.append((time.perf_counter(), "done", msg.request_id))
             return
         self._running[msg.request_id] = asyncio.create_task(self._generate(msg))
@@ -141,30 +194,36 @@ class FakeRollout(_FakeWorker):
         """Seconds per token of this request (override for uneven timings)."""
         return self.token_delay_s
 
+    def _finish(self, msg: wire.Generate) -> str:
+        """`tokens` is where the fake's reply ends (its EOS); max_new_tokens can cut it first."""
+        return "length" if msg.max_new_tokens <= self.tokens else "stop"
+
     async def _generate(self, msg: wire.Generate) -> None:
         delay = self.token_delay(msg.request_id)
-        versions = []
-        for _ in range(self.tokens):
+        versions = self._progress[msg.request_id] = []
+        for _ in range(min(self.tokens, msg.max_new_tokens)):
             if delay or not versions:
                 await asyncio.sleep(delay)
             versions.append(self.version)
         text = self.answer(msg, versions[-1])
         self._running.pop(msg.request_id, None)
-        await self._out.put(self._completion(msg.request_id, list(range(len(versions))), versions, "stop", text))
+        del self._progress[msg.request_id]
+        await self._out.put(self._completion(msg.request_id, versions, self._finish(msg), text))
         self.log.append((time.perf_counter(), "done", msg.request_id))
         if not self.interrupt and not self._running:
             await self._load()
 
-    def _completion(self, rid: str, ids: list[int], versions: list[int], finish: str,
-                    text: str = "") -> wire.Completion:
-        return wire.Completion(request_id=rid, prompt_ids=[1, 2, 3], completion_ids=ids,
-                               logprobs=[-1.0] * len(ids), versions=versions, text=text,
+    def _completion(self, rid: str, versions: list[int], finish: str, text: str = "") -> wire.Completion:
+        """Token i of a reply is id i; each has log-prob -1 and the version it was made under."""
+        msg = self._requests.pop(rid)
+        return wire.Completion(request_id=rid, prompt_ids=prompt_ids(msg), completion_ids=list(range(len(versions))),
+                               logprobs=[-1.0] * len(versions), versions=list(versions), text=text,
                                finish=finish, interrupts=self._interrupts.pop(rid, 0), gen_s=0.0)
 
     async def recv(self) -> Any | None:
         return await self._out.get()
 
-    async def stop(self) -> None:
+    def _cancel(self) -> None:
         for task in self._running.values():
             task.cancel()
         self._running.clear()
@@ -191,6 +250,7 @@ class FakeTrainer(_FakeWorker):
         return wire.Ready(role=self.role, pid=os.getpid(), load_s=0.0, device="fake", version=self.version)
 
     async def send(self, msg: Any) -> None:
+        self._alive()
         match msg:
             case wire.Train():
                 if msg.version != self.version:
@@ -236,6 +296,6 @@ class FakeTrainer(_FakeWorker):
     async def recv(self) -> Any | None:
         return await self._out.get()
 
-    async def stop(self) -> None:
+    def _cancel(self) -> None:
         if self._task is not None:
             self._task.cancel()

@@ -16,6 +16,7 @@ synchronous training on the same code path; eta = inf is bounded only by the cap
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 
@@ -44,3 +45,53 @@ def staleness(version: int, oldest_version: int) -> int:
 
 def is_stale(version: int, oldest_version: int, eta: float) -> bool:
     return staleness(version, oldest_version) > eta
+
+
+class Admission:
+    """The admission rule's state, its one owner: `live`, `trained`, `version` and the capacity
+    event that wakes a dispatcher blocked on the rule.
+
+    Three things change it: `admit` (a group starts: live up), `drop` (rollouts given up: their
+    slots come back, live down) and `commit` (a trained batch: version and trained up). Training
+    never lowers `live` (see `may_admit`); `drop` and `commit` are what release capacity.
+    """
+
+    def __init__(self, batch_size: int, eta: float, max_outstanding: int = 0, *,
+                 version: int = 0, trained: int = 0) -> None:
+        self.batch_size = batch_size
+        self.eta = eta
+        self.max_outstanding = max_outstanding
+        self.version = version  # committed trainer updates; advanced only by `commit`
+        self.trained = trained  # rollouts trained
+        self.live = trained  # rollouts ever admitted and not dropped: N_r of the rule
+        self._capacity = asyncio.Event()
+
+    @property
+    def outstanding(self) -> int:
+        """Rollouts admitted and not trained (nor dropped)."""
+        return self.live - self.trained
+
+    def may_admit(self, count: int) -> bool:
+        return may_admit(self.live, count, self.batch_size, self.version, self.eta,
+                         self.outstanding, self.max_outstanding)
+
+    async def wait(self, count: int) -> None:
+        """Block until `count` more rollouts may start (a commit or a drop wakes it)."""
+        while not self.may_admit(count):
+            self._capacity.clear()
+            await self._capacity.wait()
+
+    def admit(self, count: int) -> None:
+        """`count` rollouts start (the caller waited for the rule, or redoes admitted ones)."""
+        self.live += count
+
+    def drop(self, count: int) -> None:
+        """`count` admitted rollouts are given up: their slots come back."""
+        self.live -= count
+        self._capacity.set()
+
+    def commit(self, version: int, trained: int) -> None:
+        """The trainer committed `version` from a batch of `trained` rollouts."""
+        self.version = version
+        self.trained += trained
+        self._capacity.set()

@@ -19,7 +19,7 @@ A task source is any iterable (or async iterable) of `Task`. Built in:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -233,3 +233,17 @@ def eval_tasks(settings: Settings, rows: list[Task] | None = None) -> list[Task]
 
         return chain_eval(settings.task)
     return list(_arithmetic(settings.task, settings.task.eval_seed, settings.task.eval_size, "e"))
+
+
+async def task_stream(tasks: Iterable[Task] | AsyncIterable[Task], skip: int = 0) -> AsyncIterator[Task]:
+    """Any iterable or async iterable of tasks as one async stream, its first `skip` left out
+    (a resumed run's source: the tasks the run had already taken)."""
+    if isinstance(tasks, AsyncIterable):
+        async for task in tasks:
+            if skip:
+                skip -= 1
+                continue
+            yield task
+    else:
+        for task in itertools.islice(tasks, skip, None):
+            yield task

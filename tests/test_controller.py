@@ -14,7 +14,9 @@ from areal_aio.client import WorkerFailed
 from areal_aio.controller import Orchestrator
 from areal_aio.fakes import FakeRollout, FakeTrainer
 from areal_aio.settings import build_settings
+from areal_aio.stats import Busy
 from areal_aio.tasks import Task, arithmetic_prompt
+from areal_aio.trainer_link import TrainerLink
 
 
 def tasks(n: int | None = None, start: int = 0):
@@ -104,8 +106,8 @@ async def test_rate_control_holds_at_every_admission(tmp_path):
     class Checking(JitteryRollout):
         async def send(self, msg):
             if type(msg).__name__ == "Generate" and not msg.request_id.startswith("eval"):
-                if (orch.live - 1) // B > orch.version + eta:
-                    violations.append((orch.live, orch.version))
+                if (orch.admission.live - 1) // B > orch.version + eta:
+                    violations.append((orch.admission.live, orch.version))
             await super().send(msg)
 
     orch = orchestrator(tmp_path, settings, rollout=Checking(3), trainer=FakeTrainer(step_delay_s=0.002))
@@ -232,6 +234,27 @@ async def test_rollout_error_stops_run(tmp_path):
     assert not orch.store.root.exists()
 
 
+@pytest.mark.parametrize("role", ["rollout", "trainer"])
+async def test_a_killed_worker_ends_the_run_like_a_dead_subprocess(tmp_path, role):
+    workers = {"rollout": FakeRollout(token_delay_s=0.002), "trainer": FakeTrainer(step_delay_s=0.01)}
+    orch = orchestrator(tmp_path, make_settings(**{"run.max_steps": 1000}), **workers)
+
+    async def kill_at_step_two() -> None:
+        while orch.step < 2:
+            await asyncio.sleep(0.005)
+        workers[role].kill()
+
+    killer = asyncio.create_task(kill_at_step_two())
+    with pytest.raises(WorkerFailed, match=f"{role} worker failed: exited with code -9") as info:
+        await asyncio.wait_for(orch.run(), 10)
+    await killer
+    assert info.value.role == role and not orch.store.root.exists()
+    summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
+    assert "exited with code -9" in summary["error"] and summary["steps"] >= 2
+    with pytest.raises(WorkerFailed, match="pipe closed"):
+        await workers[role].send(wire.Shutdown())
+
+
 async def test_cancel_stops_workers_and_removes_store(tmp_path):
     rollout = FakeRollout(tokens=4, token_delay_s=0.01)
     orch = orchestrator(tmp_path, make_settings(**{"run.max_steps": 1000}), rollout=rollout)
@@ -290,7 +313,7 @@ async def test_unbounded_staleness_is_capped_by_max_in_flight(tmp_path):
     class Counting(JitteryRollout):
         async def send(self, msg):
             if type(msg).__name__ == "Generate" and not msg.request_id.startswith("eval"):
-                outstanding.append(orch.live - orch.trained)
+                outstanding.append(orch.admission.outstanding)
             await super().send(msg)
 
     orch = orchestrator(tmp_path, settings, rollout=Counting(1), trainer=FakeTrainer(step_delay_s=0.01))
@@ -332,19 +355,23 @@ async def test_a_trained_reply_after_its_step_was_cancelled_is_not_a_fault(tmp_p
 
     loop = asyncio.get_running_loop()
     reply = wire.Trained(step=0, version=1, path="v1.safetensors", stats={})
-    orch = orchestrator(tmp_path, make_settings(), trainer=Replies(reply))
-    orch._trained = loop.create_future()
-    orch._trained.cancel()
-    reader = asyncio.create_task(orch._trainer_reader())
+    committed = []
+    link = TrainerLink(Replies(reply), Busy(), lambda step, trained: committed.append((step, trained)))
+    link._trained, link.outstanding = loop.create_future(), 1  # a Train was sent
+    link._trained.cancel()
+    reader = asyncio.create_task(link.read())
     await asyncio.sleep(0.01)
-    assert not reader.done() and orch.trainer._out.empty()  # read, dropped, waiting for the next
+    assert not reader.done() and link.trainer._out.empty()  # read, kept, waiting for the next
     reader.cancel()
+    link._step = "step 1"  # the stop commits the late reply of the step in flight
+    await link.settle()
+    assert committed == [("step 1", reply)] and link.outstanding == 0
 
-    orch = orchestrator(tmp_path, make_settings(), trainer=Replies(reply))
-    orch._trained = loop.create_future()
-    orch._trained.set_result(reply)  # that step already has its reply
+    link = TrainerLink(Replies(reply), Busy(), lambda step, trained: None)
+    link._trained = loop.create_future()
+    link._trained.set_result(reply)  # that step already has its reply
     with pytest.raises(WorkerFailed, match="unexpected Trained"):
-        await asyncio.wait_for(orch._trainer_reader(), 1)
+        await asyncio.wait_for(link.read(), 1)
 
 
 class RecordingRollout(FakeRollout):

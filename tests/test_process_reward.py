@@ -139,11 +139,11 @@ class Recording(FakeRollout):
     def token_delay(self, request_id):
         return self.slow if request_id.startswith(ID_PREFIX) else self.token_delay_s
 
-    def _completion(self, rid, ids, versions, finish, text=""):
-        done = super()._completion(rid, ids, versions, finish, text)
+    def _completion(self, rid, versions, finish, text=""):
+        done = super()._completion(rid, versions, finish, text)
         if rid.startswith(ID_PREFIX):
             done = wire.Completion(**{**{k: getattr(done, k) for k in done.__slots__},
-                                      "completion_ids": [99] * len(ids)})
+                                      "completion_ids": [99] * len(versions)})
         return done
 
 

@@ -1,0 +1,175 @@
+"""What a run counts and writes: the sample counters, worker busy time, the rows of
+samples.jsonl and steps.jsonl, and the summary.
+
+The controller decides *when* something happened (a completion arrived, a group was dropped, a
+step committed); this module owns *what is recorded* for it, so a counter has one place that
+changes it and every row one place that builds it:
+
+    Counts.completed   a training rollout came back       generated, gen_tokens, interrupts
+    Counts.scored      its reward is in                   reward_failures, reward_sum
+    Counts.dropped     rollouts given up (stale/interrupt) dropped_stale, dropped_interrupt
+    Counts.trained     a batch committed                  accepted, trained_tokens, staleness_hist
+    (admitted, restarts, eval_tokens, lost_in_flight: one line each where they happen)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal_aio import wire
+from areal_aio.rewards import Score, component_means
+from areal_aio.settings import Settings
+
+
+@dataclass(slots=True)
+class Counts:
+    admitted: int = 0
+    generated: int = 0
+    accepted: int = 0
+    dropped_stale: int = 0
+    dropped_interrupt: int = 0
+    interrupts: int = 0
+    restarts: int = 0
+    reward_failures: int = 0
+    gen_tokens: int = 0
+    eval_tokens: int = 0
+    trained_tokens: int = 0
+    reward_sum: float = 0.0
+    lost_in_flight: int = 0  # rollouts admitted, not trained, lost by a stop and redone on resume
+    staleness_hist: Counter = field(default_factory=Counter)
+
+    def completed(self, msg: wire.Completion) -> None:
+        """A training rollout came back whole (not aborted)."""
+        self.generated += 1
+        self.gen_tokens += len(msg.completion_ids)
+        self.interrupts += msg.interrupts  # per sample in samples.jsonl; rebuilds in weights_loaded
+
+    def scored(self, score: Score) -> None:
+        self.reward_failures += score.failed
+        self.reward_sum += score.reward
+
+    def dropped(self, n: int, why: str) -> None:
+        """`n` admitted rollouts given up: `why` is "stale" or "interrupt"."""
+        if why == "stale":
+            self.dropped_stale += n
+        else:
+            self.dropped_interrupt += n
+
+    def trained(self, tokens: int, stale: list[int]) -> None:
+        """A committed batch: `stale` holds each sample's staleness."""
+        self.accepted += len(stale)
+        self.trained_tokens += tokens
+        self.staleness_hist.update(stale)
+
+    def state(self) -> tuple[dict[str, Any], dict[str, int]]:
+        """(counts, staleness_hist) as a checkpoint stores them."""
+        counts = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "staleness_hist"}
+        return counts, {str(k): v for k, v in self.staleness_hist.items()}
+
+    @classmethod
+    def from_state(cls, counts: dict[str, Any], hist: dict[str, int]) -> Counts:
+        return cls(**counts, staleness_hist=Counter({int(k): v for k, v in hist.items()}))
+
+
+class Busy:
+    """Integrates the time a worker has work in hand (for idle fractions); `on_change(busy)` is
+    called when it starts or stops having work (the `busy` events a report's timeline draws)."""
+
+    def __init__(self, on_change: Callable[[bool], None] = lambda busy: None) -> None:
+        self.active = 0
+        self.total = 0.0
+        self._since = 0.0
+        self._on_change = on_change
+
+    def up(self) -> None:
+        if self.active == 0:
+            self._since = time.perf_counter()
+            self._on_change(True)
+        self.active += 1
+
+    def down(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self.total += time.perf_counter() - self._since
+            self._on_change(False)
+
+    def seconds(self) -> float:
+        return self.total + (time.perf_counter() - self._since if self.active else 0.0)
+
+
+def sample_row(s: Any, *, staleness: int | None = None, step: int | None = None,
+               dropped: str | None = None) -> dict[str, Any]:
+    """The samples.jsonl row of a training sample (controller.Sample), trained or dropped."""
+    c = s.completion
+    return {
+        "kind": "train", "request_id": s.request_id, "group": s.group_id, "task_id": s.task.id,
+        "prompt": s.task.prompt, "answer": s.task.answer, "reply": c.text if c else None,
+        "reward": s.score.reward if s.score else None, "pass": s.score.passed if s.score else None,
+        "strict": s.score.strict if s.score else None,
+        "reward_failed": s.score.failed if s.score else None,
+        **({"rewards": s.score.components} if s.score and s.score.components else {}),
+        "oldest_version": c.oldest_version if c else None, "newest_version": c.newest_version if c else None,
+        "staleness": staleness, "interrupts": c.interrupts if c else None, "retries": s.retries,
+        "dropped": dropped, "step": step, "tokens": len(c.completion_ids) if c else 0,
+        **({"process": s.process} if s.process is not None else {})}
+
+
+def step_row(step: int, version: int, wall: float, train_s: float, wait_s: float, samples: Sequence[Any],
+             stale: list[int], counts: Counts, trained: wire.Trained, **queues: int) -> dict[str, Any]:
+    """The steps.jsonl row of a committed step; `queues`: depths at the commit (replay_groups, in_flight)."""
+    scores = [s.score for s in samples]
+    rewards = [sc.reward for sc in scores]
+    return {"step": step, "version": version, "wall_s": round(wall, 3),
+            "train_s": round(train_s, 3), "wait_s": round(wait_s, 3),
+            "reward_mean": sum(rewards) / len(rewards), **component_means(scores),
+            "pass_rate": sum(sc.passed for sc in scores) / len(samples),
+            "strict_rate": sum(sc.strict for sc in scores) / len(samples),
+            "staleness_max": max(stale), "staleness_mean": sum(stale) / len(stale),
+            **queues,
+            "gen_tokens_per_s": (counts.gen_tokens + counts.eval_tokens) / max(wall, 1e-9),
+            "train_tokens_per_s": counts.trained_tokens / max(wall, 1e-9),
+            **{k: v for k, v in trained.stats.items() if k not in ("step", "version")}}
+
+
+def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, cold_start: dict,
+              max_trained_staleness: int, resumes: list[dict], best: dict, eval_curve: list[dict],
+              time_to_threshold: float | None, process: dict, rollout_busy_s: float,
+              trainer_busy_s: float, lag_max_s: float, folder: str,
+              error: BaseException | None) -> dict[str, Any]:
+    """summary.json: the run's settings that matter, its counts, rates and eval curve."""
+    unused = c.admitted - c.accepted - c.dropped_stale - c.dropped_interrupt
+    return {
+        "mode": s.run.mode, "max_staleness": num(s.eta), "objective": s.trainer.objective,
+        "interrupt": s.rollout.interrupt, "seed": s.run.seed, "model": s.model.path,
+        **cold_start, "wall_s": round(wall, 3), "steps": steps, "final_version": version,
+        "samples_admitted": c.admitted, "samples_generated": c.generated, "samples_accepted": c.accepted,
+        "samples_dropped_stale": c.dropped_stale, "samples_dropped_interrupt": c.dropped_interrupt,
+        "samples_unused": unused, "interrupts": c.interrupts, "restarts": c.restarts,
+        "reward_failures": c.reward_failures, "max_staleness_trained": max_trained_staleness,
+        "lost_in_flight": c.lost_in_flight, "resumes": resumes,
+        "best_eval": best if best["version"] is not None else None,
+        "staleness_hist": {str(k): v for k, v in sorted(c.staleness_hist.items())},
+        "eval_curve": sorted(eval_curve, key=lambda r: r["step"]),
+        "threshold": s.run.threshold or None, "time_to_threshold_s": time_to_threshold,
+        "reward_per_1k_tokens": 1000 * c.reward_sum / c.gen_tokens if c.gen_tokens else 0.0,
+        "gen_tokens": c.gen_tokens, "eval_tokens": c.eval_tokens, "trained_tokens": c.trained_tokens,
+        "process_mode": s.process.mode, **process,
+        "gen_tokens_per_s": (c.gen_tokens + c.eval_tokens) / wall if wall else 0.0,
+        "train_tokens_per_s": c.trained_tokens / wall if wall else 0.0,
+        "rollout_idle_frac": 1 - rollout_busy_s / wall if wall else None,
+        "trainer_idle_frac": 1 - trainer_busy_s / wall if wall else None,
+        "loop_lag_max_ms": round(1000 * lag_max_s, 2),
+        "folder": folder,
+        "error": None if error is None else (str(error) or type(error).__name__),
+    }
+
+
+def num(x: float) -> float | int | None:
+    """eta as JSON: None for unbounded."""
+    return None if math.isinf(x) else int(x)

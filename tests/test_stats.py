@@ -1,0 +1,64 @@
+import math
+
+from areal_aio import wire
+from areal_aio.rewards import Score
+from areal_aio.settings import Settings
+from areal_aio.stats import Busy, Counts, num, sample_row, step_row, summarize
+from areal_aio.tasks import Task
+
+
+class _Sample:
+    def __init__(self, reward: float, completion: wire.Completion | None) -> None:
+        self.request_id, self.group_id, self.retries, self.process = "g0.0", 0, 0, None
+        self.task = Task(id="t", prompt="1 + 1", answer="2")
+        self.completion = completion
+        self.score = Score(reward, passed=reward > 0, strict=False)
+
+
+def _completion(n: int, versions: list[int]) -> wire.Completion:
+    return wire.Completion("g0.0", [1], list(range(n)), [-1.0] * n, versions, "x", "stop", 1, 0.0)
+
+
+def test_counts_change_in_one_place_each_and_survive_a_checkpoint():
+    c = Counts(admitted=4)
+    c.completed(_completion(3, [0, 0, 1]))
+    c.scored(Score(1.0, True, True, failed=False))
+    c.scored(Score(0.0, False, False, failed=True))
+    c.dropped(2, "stale")
+    c.dropped(1, "interrupt")
+    c.trained(tokens=3, stale=[1, 0])
+    assert (c.generated, c.gen_tokens, c.interrupts, c.reward_failures, c.reward_sum) == (1, 3, 1, 1, 1.0)
+    assert (c.dropped_stale, c.dropped_interrupt, c.accepted, c.trained_tokens) == (2, 1, 2, 3)
+    assert Counts.from_state(*c.state()) == c
+
+
+def test_rows_and_summary_read_the_counts():
+    s = Settings()
+    samples = [_Sample(1.0, _completion(2, [0, 1])), _Sample(0.0, _completion(2, [1, 1]))]
+    c = Counts(admitted=4, gen_tokens=4)
+    c.trained(4, [1, 0])
+    trained = wire.Trained(step=1, version=2, path="", stats={"loss": 0.5, "step": 1})
+    row = step_row(1, 2, 2.0, 0.5, 0.1, samples, [1, 0], c, trained, replay_groups=3, in_flight=5)
+    assert row["reward_mean"] == 0.5 and row["pass_rate"] == 0.5 and row["staleness_max"] == 1
+    assert row["loss"] == 0.5 and row["version"] == 2 and row["in_flight"] == 5
+    assert row["train_tokens_per_s"] == 2.0
+    dropped = sample_row(_Sample(0.0, None), dropped="interrupt")
+    assert dropped["reply"] is None and dropped["tokens"] == 0 and dropped["dropped"] == "interrupt"
+    summary = summarize(s, c, wall=2.0, steps=1, version=2, cold_start={}, max_trained_staleness=1,
+                        resumes=[], best={"version": None}, eval_curve=[], time_to_threshold=None,
+                        process={}, rollout_busy_s=1.0, trainer_busy_s=0.5, lag_max_s=0.0,
+                        folder="f", error=None)
+    assert summary["samples_unused"] == 2 and summary["rollout_idle_frac"] == 0.5
+    assert summary["best_eval"] is None and summary["error"] is None
+    assert num(math.inf) is None and num(2.0) == 2
+
+
+def test_busy_integrates_overlapping_work_once():
+    changes = []
+    b = Busy(changes.append)
+    b.up()
+    b.up()
+    b.down()
+    assert b.active == 1 and changes == [True]
+    b.down()
+    assert changes == [True, False] and b.seconds() == b.total >= 0.0
