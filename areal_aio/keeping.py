@@ -167,7 +167,7 @@ class Keeper:
         model/, best/, a checkpoint), then is stopped."""
         run = self.run
         try:
-            if workers_up and not (failure is not None and failure.role == "trainer"):
+            if workers_up and getattr(failure, "role", None) != "trainer":  # a broken reward pool has no role
                 await asyncio.wait_for(self.keep_at_stop(), STOP_SAVE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - keeping must never hide why the run stopped
             if run.log is not None:

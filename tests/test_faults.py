@@ -180,7 +180,8 @@ def test_a_killed_reward_process_is_replaced_and_one_that_keeps_dying_ends_the_r
     assert code == 1, err
     line = last_line(err)
     assert line.startswith(f"error: RewardPoolBroken: reward pool broke {MAX_BREAKS} times"), err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "could not write" not in err, err
+    assert (run.folder / "model" / "model.safetensors").exists()  # the trainer was alive: what it learned is kept
 
 
 def new_reward_process(run: Run, killed: list[int]) -> int:
