@@ -12,9 +12,10 @@ uninterrupted one. With a number per (request, token) the draws are the same how
 are batched, interrupted or re-dispatched after a resume.
 
 splitmix64 (Steele, Lea, Flood 2014) is the mixer: a bijection on 64-bit words whose outputs
-pass BigCrush even for counter inputs. It runs in Python ints (exact 64-bit arithmetic, no
-overflow care): one call per sampled row per decode step, microseconds next to the forward pass.
-No torch here, so the controller can compute seeds.
+pass BigCrush even for counter inputs. Here it runs in Python ints (exact 64-bit arithmetic, no
+overflow care), the reference; the engine computes the same words in int64 tensor ops on its
+device, all rows of a decode step at once (workers/sampling.py, equal bit for bit). No torch
+here, so the controller can compute seeds.
 """
 
 from __future__ import annotations

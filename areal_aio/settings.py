@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -84,7 +85,7 @@ def opt(default: Any, doc: str, *, choices: tuple | None = None, ge: float | Non
 
 @dataclass(frozen=True, slots=True)
 class RunSettings:
-    mode: str = opt("areal", "sync (eta 0, no interrupts) | one_step (eta 1) | areal (eta = controller.max_staleness, interrupts, decoupled PPO)", choices=MODES)
+    mode: str = opt("areal", "sync (eta 0, no interrupts; a worker on the CPU gets every core: they take turns) | one_step (eta 1) | areal (eta = controller.max_staleness, interrupts, decoupled PPO)", choices=MODES)
     seed: int = opt(0, "Seed for task order, sampling and model init.", ge=0)
     max_steps: int = opt(100, "Stop after this many trainer updates.", ge=1)
     max_wall_s: float = opt(3600.0, "Stop after this many seconds of wall time (counted after both workers are ready).", gt=0)
@@ -161,7 +162,7 @@ class TaskSettings:
 @dataclass(frozen=True, slots=True)
 class RolloutSettings:
     device: str = opt("cpu", "cpu | cuda | cuda:N")
-    threads: int = opt(1, "Torch intra-op threads of the rollout worker (give each worker its own cores).", ge=1)
+    threads: int = opt(1, "Torch intra-op threads of the rollout worker (give each worker its own cores). run.mode = sync on a CPU presets every core of the machine: the workers take turns, so each may use them all while it works.", ge=1)
     group_size: int = opt(8, "Samples per prompt (a GRPO group); trainer.batch_size must be a multiple.", ge=1)
     max_new_tokens: int = opt(64, "Generation stops at EOS or after this many tokens.", ge=1)
     temperature: float = opt(0.7, "Sampling temperature for training rollouts (eval is greedy).", gt=0)
@@ -175,7 +176,7 @@ class RolloutSettings:
 @dataclass(frozen=True, slots=True)
 class TrainerSettings:
     device: str = opt("cpu", "cpu | cuda | cuda:N")
-    threads: int = opt(1, "Torch intra-op threads of the trainer worker.", ge=1)
+    threads: int = opt(1, "Torch intra-op threads of the trainer worker. run.mode = sync on a CPU presets every core of the machine (see rollout.threads).", ge=1)
     batch_size: int = opt(32, "Samples per trainer step (B in the admission rule); a multiple of rollout.group_size.", ge=1)
     objective: str = opt("decoupled_ppo", "pg | ppo | decoupled_ppo (preset to decoupled_ppo by run.mode = areal).", choices=OBJECTIVES)
     lr: float = opt(1e-5, "AdamW learning rate.", gt=0)
@@ -323,11 +324,29 @@ class Settings:
         return "\n".join(out) + "\n"
 
 
-def mode_presets(mode: str) -> dict[str, Any]:
-    """What a mode sets (DESIGN.md, Modes); eta is derived from the mode in `Settings.eta`."""
+def mode_presets(mode: str, devices: dict[str, str] | None = None) -> dict[str, Any]:
+    """What a mode sets (DESIGN.md, Modes); eta is derived from the mode in `Settings.eta`.
+
+    `devices`: {"rollout.device": ..., "trainer.device": ...} (default cpu). sync alternates,
+    generate a batch, then train on it, so its two workers never compute at once: each worker
+    on the CPU gets all the machine's cores (one each would leave half of them idle at every
+    moment and flatter the modes that overlap)."""
     if mode == "areal":
         return {"rollout.interrupt": True, "trainer.objective": "decoupled_ppo"}
-    return {"rollout.interrupt": False}
+    presets: dict[str, Any] = {"rollout.interrupt": False}
+    if mode == "sync":
+        for role in ("rollout", "trainer"):
+            if (devices or {}).get(f"{role}.device", "cpu") == "cpu":
+                presets[f"{role}.threads"] = cpu_cores()
+    return presets
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its CPU affinity), which its workers inherit."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS)
+        return os.cpu_count() or 1
 
 
 def process_presets(mode: str) -> dict[str, Any]:
@@ -381,7 +400,8 @@ def build_settings(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] =
     for key, value in flat.items():  # every given value is checked, also one a preset replaces
         flat[key] = _coerce_key(key, value)
     mode = flat.get("run.mode", RunSettings().mode)
-    presets = mode_presets(mode) if mode in MODES else {}
+    devices = {key: flat[key] for key in ("rollout.device", "trainer.device") if key in flat}
+    presets = mode_presets(mode, devices) if mode in MODES else {}
     presets |= process_presets(flat.get("process.mode", ProcessSettings().mode))
     for key, value in presets.items():
         if key not in explicit:

@@ -6,7 +6,10 @@
 Every method generates the same sequences (arithmetic prompts, GRPO groups of identical
 prompts), with the same sampling (temperature, top_p) and the same max_new_tokens:
 
-    engine           areal_aio.workers.engine.Engine, all sequences queued at once, max_batch slots
+    engine           areal_aio.workers.engine.Engine, all sequences queued at once, max_batch slots,
+                     driven as the rollout worker drives it: advance() in chunks of
+                     rollout.chunk_tokens steps (on a GPU the host reads tokens once a chunk
+                     while no request waits for a slot; on a CPU after every step)
     engine+updates   the same, with new weights loaded (KV rebuilt) every --update-every steps
     generate/b<G>    model.generate on static batches of one group each (G sequences)
     generate/b<M>    model.generate on static batches of max_batch sequences
@@ -37,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from areal_aio.safetensors_io import load_weights  # noqa: E402
+from areal_aio.settings import RolloutSettings  # noqa: E402
 from areal_aio.weight_store import SHM_BASE, WeightStore  # noqa: E402
 from areal_aio.workers.common import configure_torch  # noqa: E402
 from areal_aio.workers.engine import Engine, Request  # noqa: E402
@@ -66,10 +70,15 @@ def run_engine(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_bat
     for i, prompt in enumerate(ids):
         engine.add(Request(str(i), prompt, max_new, TEMPERATURE, TOP_P))
     done, steps, loads, rebuilt, load_s, update_s = [], 0, 0, 0, 0.0, 0.0
+    chunk = RolloutSettings().chunk_tokens
     t0 = time.perf_counter()
     while engine.busy:
-        done.extend(engine.step())
-        steps += 1
+        left = chunk - steps % chunk  # chunks end at multiples of chunk, as in the worker
+        if updates:
+            left = min(left, updates[0] - steps % updates[0])
+        taken, finished = engine.advance(left)
+        done.extend(finished)
+        steps += taken
         if updates and steps % updates[0] == 0 and engine.running:
             t_update = time.perf_counter()
             loaded, finished = engine.update_weights(loads + 1, str(updates[1][loads % 2]))

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 import tomllib
@@ -5,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from areal_aio.settings import Settings, SettingsError, build_settings, load_settings
+from areal_aio.settings import (
+    Settings,
+    SettingsError,
+    build_settings,
+    load_settings,
+    resolved_settings,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,6 +38,32 @@ def test_mode_presets(mode, eta, interrupt):
     s = build_settings({"run": {"mode": mode}, "trainer": {"objective": "ppo"}})
     assert s.eta == eta and s.rollout.interrupt is interrupt
     assert s.trainer.objective == ("decoupled_ppo" if mode == "areal" else "ppo")
+
+
+@pytest.fixture
+def six_cores(monkeypatch):
+    """A machine whose affinity mask holds 6 cores (so a preset differs from any default)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
+
+
+def test_sync_on_a_cpu_gives_each_worker_every_core(six_cores):
+    file = load_settings(ROOT / "settings.toml", ["run.mode=sync"])  # the file says 1 each
+    assert file.rollout.threads == file.trainer.threads == 6
+    for mode in ("one_step", "areal"):  # workers at once: the file's one core each
+        s = load_settings(ROOT / "settings.toml", [f"run.mode={mode}"])
+        assert s.rollout.threads == s.trainer.threads == 1
+    gpu = build_settings({"run": {"mode": "sync"}, "rollout": {"device": "cuda", "threads": 2}})
+    assert gpu.rollout.threads == 2 and gpu.trainer.threads == 6  # only a worker on the CPU
+    both = build_settings({"run": {"mode": "sync"}}, ["trainer.device=cuda:1"])
+    assert both.rollout.threads == 6 and both.trainer.threads == 1
+
+
+def test_set_threads_wins_over_the_sync_preset(six_cores):
+    s = load_settings(ROOT / "settings.toml", ["run.mode=sync", "trainer.threads=3"])
+    assert s.rollout.threads == 6 and s.trainer.threads == 3
+    # a resolved tree (a checkpoint's) keeps its threads: presets do not apply again
+    assert resolved_settings(s.to_dict()).trainer.threads == 3
+    assert resolved_settings(s.to_dict(), ["rollout.threads=1"]).rollout.threads == 1
 
 
 def test_set_wins_over_mode_preset():

@@ -14,11 +14,13 @@ import queue
 import subprocess
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from test_engine import _HostReads
 
 from areal_aio import wire
 from areal_aio.safetensors_io import load_weights
@@ -131,6 +133,27 @@ def test_one_update_publishes_v1_with_sane_stats(tmp_path, batch) -> None:
         assert value is None or type(value) in (int, float), key
     changed = any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     assert changed
+
+
+def test_host_reads_of_an_update_do_not_grow_with_its_micro_batches(tmp_path) -> None:
+    """Stats stay on the device until the update's end, and padded rows get their 4D mask
+    from the trainer: on a GPU each read of a value waits for every kernel queued before it,
+    so one per micro-batch would stall the pipeline. (A micro-batch without padding still
+    costs one read inside transformers; see Trainer._attention_mask.)"""
+    reads, plans = [], []
+    for micro_tokens in (4096, 400):
+        trainer = make_trainer(tmp_path / str(micro_tokens), f"trainer.micro_tokens={micro_tokens}",
+                               "trainer.minibatches=2", "trainer.kl_coef=0.1", "trainer.kl_ref=ref",
+                               "trainer.share_prompts=off")
+        samples = mixed_samples(trainer.model.config.vocab_size)
+        plan = trainer._micro_batches
+        trainer._micro_batches = lambda *a, plan=plan: plans.append(out := plan(*a)) or out
+        with _HostReads() as seen:
+            trainer.train(wire.Train(step=0, version=0, samples=samples))
+        reads.append(Counter(name for name in seen.seen if name not in ("tensor", "as_tensor")))
+    assert [len(p) for p in plans] == [1, 1, 3, 4]
+    assert all(mb.padded for p in plans for mb in p)
+    assert reads[0] == reads[1] and reads[0]["tolist"] == 1  # the stats: one read per update
 
 
 def test_missing_store_folder_is_a_clear_error(tmp_path) -> None:

@@ -3,19 +3,25 @@
 No pipe code here: `workers/rollout.py` feeds it messages; tests drive it directly.
 
     add(request) -> waiting (FIFO) --admit when a slot frees--> running rows (<= max_batch)
-    step():  admit: KV of each distinct new prompt (prefix cache, else one forward pass),
+    advance(n): admit: KV of each distinct new prompt (prefix cache, else one forward pass),
                     repeated for every row that shares it; sample each row's first token;
                     merge the rows into the batch
-             decode: feed every row's pending token, sample the next one, retire finished rows
+                decode, 1 to n times: feed every row's pending token, sample the next one
+                look: read the sampled tokens on the host, retire finished rows
     update_weights(version, path): load, drop every KV (batch and prefix cache), recompute it
                     for the running rows: distinct prompts once, then the completions so far
                     in passes of similar lengths; later tokens carry `version`
 
+The host never waits for a decode step: the pending tokens, positions, mask, seeds and
+counters of the rows are device tensors, and the tokens drawn wait on the device for the next
+look (once per `advance`; on a CPU, and while requests wait for a slot, after every step).
+
 One KV cache holds the whole batch, [B, kv_heads, T, head_dim] per layer, with an attention mask
 [B, T]: a row is [pad | prompt | pad | completion], the pads masked out and position ids counting
 real tokens only, so one decode step appends one column for every row. Invariant between steps:
-the cache holds each row's prompt + completion except its last sampled token (the "pending"
-token), which the next decode step feeds.
+the cache holds each row's prompt and every token it drew except the last (the "pending" token,
+on the device in `pending`), which the next decode step feeds. Between `advance` calls the host
+has looked: each row's completion ends with its pending token.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from areal_aio.safetensors_io import load_weights
-from areal_aio.seeds import derive, uniform
+from areal_aio.seeds import derive
 from areal_aio.wire import Completion, WeightsLoaded
+from areal_aio.workers.sampling import draw, nucleus, uniforms
 
 GREEDY_BELOW = 1e-5
 """A temperature under this is greedy decoding (the wire says 0; floats may arrive as 1e-9)."""
@@ -146,20 +153,42 @@ def _stack_right(parts: list[torch.Tensor], length: int) -> torch.Tensor:
 
 
 class _Batch:
-    """The running rows and their shared right-aligned KV cache.
+    """The running rows, their shared right-aligned KV cache and their sampling state.
 
-    cache layers: keys/values [B, kv_heads, T, head_dim]; mask [B, T] (1 = real token);
-    pos [B] = real tokens cached per row = position id of the row's pending token.
+    On the model's device, one row each: cache layers keys/values [B, kv_heads, T, head_dim];
+    mask [B, T] bool (True = real token); pos [B] = real tokens cached per row = position id of
+    the row's pending token; pending [B] = that token; seed, count [B] int64 = the row's seed and
+    completion length (the counter of its next uniform); scale, top_p [B] float32 and greedy [B]
+    bool = its temperature (1 when greedy), nucleus mass and whether it decodes greedily.
+    On the host: seqs, full (no False in mask: the model then needs no mask), and `drawn`,
+    the (token [B], logprob [B]) of each decode step since the host last looked (Engine._look).
     """
+
+    ROWS = ("pos", "pending", "seed", "count", "scale", "top_p", "greedy")
+    """The per-row tensors: selected by keep, concatenated by merge."""
 
     def __init__(self) -> None:
         self.seqs: list[_Seq] = []
         self.cache: DynamicCache | None = None
-        self.mask = torch.zeros(0, 0, dtype=torch.long)
-        self.pos = torch.zeros(0, dtype=torch.long)
+        self.mask = torch.zeros(0, 0, dtype=torch.bool)
+        self.full = True
+        self.drawn: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name in self.ROWS:
+            setattr(self, name, torch.zeros(0))
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def set_rows(self, seqs: list[_Seq], device: torch.device) -> None:
+        """The sampling state of `seqs` (all but pending, which the first draw sets)."""
+        greedy = [s.req.temperature < GREEDY_BELOW for s in seqs]
+        self.seed = torch.tensor([s.req.seed for s in seqs], dtype=torch.long, device=device)
+        self.count = torch.tensor([len(s.completion) for s in seqs], dtype=torch.long, device=device)
+        self.scale = torch.tensor([1.0 if g else s.req.temperature for g, s in zip(greedy, seqs, strict=True)],
+                                  dtype=torch.float32, device=device)
+        self.top_p = torch.tensor([1.0 if g else s.req.top_p for g, s in zip(greedy, seqs, strict=True)],
+                                  dtype=torch.float32, device=device)
+        self.greedy = torch.tensor(greedy, dtype=torch.bool, device=device)
 
     def keep(self, rows: list[int]) -> None:
         """Keep only `rows` (in order), then drop leading columns no row uses any more."""
@@ -167,28 +196,36 @@ class _Batch:
             return
         self.seqs = [self.seqs[i] for i in rows]
         if not rows:
-            self.cache, self.mask, self.pos = None, self.mask[:0, :0], self.pos[:0]
+            self.cache, self.mask, self.full = None, self.mask[:0, :0], True
+            for name in self.ROWS:
+                setattr(self, name, getattr(self, name)[:0])
             return
-        index = torch.tensor(rows, dtype=torch.long)
+        index = torch.tensor(rows, dtype=torch.long).to(self.mask.device)
         self.mask = self.mask.index_select(0, index)
-        self.pos = self.pos.index_select(0, index)
-        first = int(self.mask.any(0).int().argmax())  # first column some row still uses
+        for name in self.ROWS:
+            setattr(self, name, getattr(self, name).index_select(0, index))
+        # one read: the first column some row still uses, and the mask's False count
+        first, holes = torch.stack([self.mask.any(0).int().argmax(), (~self.mask).sum()]).tolist()
         self.mask = self.mask[:, first:]
+        self.full = holes == len(rows) * first  # every False was in the dropped columns
         for layer in self.cache.layers:
-            rows_on = index.to(layer.keys.device)  # mask and pos live on the CPU, KV on the device
-            _set_kv(layer, layer.keys[:, :, first:].index_select(0, rows_on),
-                    layer.values[:, :, first:].index_select(0, rows_on))
+            _set_kv(layer, layer.keys[:, :, first:].index_select(0, index),
+                    layer.values[:, :, first:].index_select(0, index))
 
     def merge(self, other: _Batch) -> None:
         """Append `other`'s rows; the shorter side is left-padded so columns stay right-aligned."""
         if not other.seqs:  # every row of a prefill finished on its first token: nothing cached
             return
         if not self.seqs:
-            self.seqs, self.cache, self.mask, self.pos = other.seqs, other.cache, other.mask, other.pos
+            self.seqs, self.cache, self.mask, self.full = other.seqs, other.cache, other.mask, other.full
+            for name in self.ROWS:
+                setattr(self, name, getattr(other, name))
             return
         t = max(self.mask.shape[1], other.mask.shape[1])
+        self.full = self.full and other.full and self.mask.shape[1] == other.mask.shape[1]
         self.mask = torch.cat([_pad_left(self.mask, t), _pad_left(other.mask, t)])
-        self.pos = torch.cat([self.pos, other.pos])
+        for name in self.ROWS:
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
             _set_kv(mine, torch.cat([_pad_left(mine.keys, t, dim=2), _pad_left(theirs.keys, t, dim=2)]),
                     torch.cat([_pad_left(mine.values, t, dim=2), _pad_left(theirs.values, t, dim=2)]))
@@ -208,12 +245,17 @@ class Engine:
     """Continuous batching with per-token logprobs and versions, and weight swaps mid-sequence."""
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch: int = 32, version: int = 0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, look_every_step: bool | None = None) -> None:
+        """`look_every_step`: read the sampled tokens after every decode step, so finished rows
+        leave the batch at once (default: on a CPU, where the read is free and a finished row's
+        compute is not); else only when a waiting request may take a freed slot, at a row's
+        length limit and at the end of `advance` (see there)."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.version = version
         self.device = next(model.parameters()).device
+        self.look_every_step = self.device.type == "cpu" if look_every_step is None else look_every_step
         self.admitting = True  # False while draining for a non-interrupting weight update
         self.waiting: deque[_Seq] = deque()
         self.batch = _Batch()
@@ -262,27 +304,70 @@ class Engine:
     def run_chunk(self, steps: int) -> list[Completion]:
         """Up to `steps` steps (fewer when nothing is left to do); the finished sequences."""
         done: list[Completion] = []
-        for _ in range(steps):
-            if not self.busy:
-                break
-            done.extend(self.step())
+        while steps > 0 and self.busy:
+            taken, finished = self.advance(steps)
+            steps -= taken
+            done.extend(finished)
         return done
 
-    @torch.inference_mode()
     def step(self) -> list[Completion]:
         """Admit into free slots, then one decode step for every running row."""
+        return self.advance(1)[1]
+
+    @torch.inference_mode()
+    def advance(self, max_steps: int) -> tuple[int, list[Completion]]:
+        """Admit into free slots, then 1 to `max_steps` decode steps, the host looking at what
+        they sampled only after the last: (steps taken, sequences finished).
+
+        The steps run back to back on the device (tokens, uniforms and counters stay there), so
+        on a GPU the host queues step k+1 while step k runs. A row that samples EOS early
+        decodes on until the look, which drops what it sampled after EOS; no other row reads
+        its values, but like any batch mate it shapes the batch, which moves other rows' floats
+        in the last bits (a float64 model gives bit-identical sequences either way). It stops
+        after one step when a request waits for a slot (a finished row's slot is refilled at the
+        next step, as with a look every step), after one step with `look_every_step`, and at the
+        step where the first row reaches max_new_tokens, so no row runs past its limit and
+        requests are admitted at the same steps either way.
+        """
         done = self._admit()
         b = self.batch
         if not b.seqs:
-            return done
-        tokens = torch.tensor([[s.completion[-1]] for s in b.seqs], dtype=torch.long)
+            return 1, done
+        steps = 1
+        if not (self.look_every_step or (self.admitting and self.waiting)):
+            steps = min(max_steps, min(s.req.max_new_tokens - len(s.completion) for s in b.seqs))
+        for _ in range(steps):
+            self._decode(b)
+        done.extend(self._look(b))
+        return steps, done
+
+    def _decode(self, b: _Batch) -> None:
+        """One decode step of every row, all on the device: feed the pending tokens, draw the next."""
         b.mask = torch.cat([b.mask, b.mask.new_ones(len(b), 1)], dim=1)
-        out = self.model(input_ids=tokens.to(self.device), attention_mask=b.mask.to(self.device),
-                         position_ids=b.pos[:, None].to(self.device), past_key_values=b.cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=b.pending[:, None], attention_mask=self._decode_mask(b),
+                         position_ids=b.pos[:, None], past_key_values=b.cache, use_cache=True,
+                         logits_to_keep=1)
         b.pos = b.pos + 1
-        done.extend(self._sample_and_retire(b, out.logits[:, -1]))
-        return done
+        self._draw(b, out.logits[:, -1])
+
+    def _decode_mask(self, b: _Batch) -> torch.Tensor | None:
+        """The attention mask of a decode step, in the form that needs no look at its values.
+
+        Given [B, T], transformers asks whether it holds any False (a host read every step) to
+        skip the mask; the 4D mask it would build is passed instead: [B, 1, 1, T], bool for
+        sdpa, 0 / dtype min for eager. None when the host knows there is no padding (what
+        transformers would have found). Other attention kinds get the [B, T] mask.
+        """
+        if b.full:
+            return None
+        attention = getattr(self.model.config, "_attn_implementation", None)
+        mask = b.mask[:, None, None, :]
+        if attention == "sdpa":
+            return mask
+        if attention == "eager":
+            dtype = self.model.dtype
+            return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
+        return b.mask
 
     def _admit(self) -> list[Completion]:
         free = self.max_batch - len(self.batch)
@@ -336,9 +421,12 @@ class Engine:
             has_tail = torch.tensor([bool(t) for t in tails], device=self.device)
             logits = torch.where(has_tail[:, None], out.logits[:, -1], logits)
         fresh = _Batch()
-        fresh.seqs, fresh.cache, fresh.mask, fresh.pos = seqs, cache, mask, mask.sum(1)
-        done = self._sample_and_retire(fresh, logits)
-        return fresh, done
+        fresh.seqs, fresh.cache, fresh.full = seqs, cache, bool(mask.all())
+        fresh.mask = mask.to(self.device, torch.bool)
+        fresh.pos = mask.sum(1).to(self.device)
+        fresh.set_rows(seqs, self.device)
+        self._draw(fresh, logits)
+        return fresh, self._look(fresh)
 
     def _prompt_entries(self, prompts: list[tuple[int, ...]]) -> list[_Prefix]:
         """Each prompt's KV and next-token logits: from the prefix cache, else one forward pass."""
@@ -373,49 +461,67 @@ class Engine:
                         logits=logits[i:i + 1])
                 for i, row in enumerate(rows)]
 
-    def _sample_and_retire(self, b: _Batch, logits: torch.Tensor) -> list[Completion]:
-        """Sample one token per row of `b` from logits [B, V]; remove and return finished rows."""
-        token, logprob = self._sample(logits.float(), b.seqs)
-        token, logprob = token.tolist(), logprob.tolist()
+    def _draw(self, b: _Batch, logits: torch.Tensor) -> None:
+        """Sample each row's next token from logits [B, V] on the device; it becomes pending.
+
+        What is drawn waits in `b.drawn` for the host's next look (`_look`)."""
+        token, logprob = self._sample(logits.float(), b)
+        b.pending = token
+        b.count = b.count + 1
+        b.drawn.append((token, logprob))
+
+    def _look(self, b: _Batch) -> list[Completion]:
+        """Read what `b` drew since the last look, append it, remove and return finished rows.
+
+        Tokens and logprobs [B, steps] come over together (one wait for the device). A row ends
+        at its first EOS or at its length limit; anything it drew after that is dropped. Weights
+        change only between `advance` calls, after a look, so every token drawn since the last
+        one is of `self.version`.
+        """
+        tokens = torch.stack([t for t, _ in b.drawn], dim=1).tolist()
+        logprobs = torch.stack([lp for _, lp in b.drawn], dim=1).tolist()
+        b.drawn = []
         keep, done = [], []
         for i, seq in enumerate(b.seqs):
-            seq.completion.append(token[i])
-            seq.logprobs.append(logprob[i])
-            seq.versions.append(self.version)
-            if token[i] in self.eos:
-                done.append(self._completion(seq, "stop"))
-            elif len(seq.completion) >= seq.req.max_new_tokens:
-                done.append(self._completion(seq, "length"))
+            finish = None
+            for token, logprob in zip(tokens[i], logprobs[i], strict=True):
+                seq.completion.append(token)
+                seq.logprobs.append(logprob)
+                seq.versions.append(self.version)
+                if token in self.eos:
+                    finish = "stop"
+                elif len(seq.completion) >= seq.req.max_new_tokens:
+                    finish = "length"
+                if finish:
+                    break
+            if finish:
+                done.append(self._completion(seq, finish))
             else:
                 keep.append(i)
         b.keep(keep)
         return done
 
-    def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, b: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(token [B], its log-prob [B] under the distribution it was drawn from).
 
         Greedy rows: argmax, log-prob under the plain softmax. Sampled rows: softmax of
         logits / temperature, restricted to the top-p nucleus and renormalized, drawn with the
-        row's own uniform for this token (seeds.uniform(seed, completion length)): the same
-        token whatever other rows share the step.
+        row's own uniform for this token (seeds.uniform(seed, completion length), computed on
+        the device from b.seed and b.count): the same token whatever other rows share the step.
+        Which branches run is read off the requests (host), never off the tensors.
         """
-        temps = [s.req.temperature for s in seqs]
-        greedy = [t < GREEDY_BELOW for t in temps]
-        top_ps = [1.0 if g else s.req.top_p for g, s in zip(greedy, seqs, strict=True)]
+        reqs = [s.req for s in b.seqs]
+        greedy = [r.temperature < GREEDY_BELOW for r in reqs]
         if all(greedy):
             logp = torch.log_softmax(logits, dim=-1)
             token = logp.argmax(-1)
             return token, logp.gather(1, token[:, None])[:, 0]
-        scale = torch.tensor([1.0 if g else t for g, t in zip(greedy, temps, strict=True)],
-                             device=logits.device)
-        logp = torch.log_softmax(logits / scale[:, None], dim=-1)
-        if any(p < 1.0 for p in top_ps):
-            logp = _top_p(logp, torch.tensor(top_ps, device=logits.device))
-        u = torch.tensor([uniform(s.req.seed, len(s.completion)) for s in seqs],
-                         dtype=torch.float32).to(logits.device, non_blocking=True)
-        token = _draw(logp, u)
+        logp = torch.log_softmax(logits / b.scale[:, None], dim=-1)
+        if any(r.top_p < 1.0 and not g for r, g in zip(reqs, greedy, strict=True)):
+            logp = nucleus(logp, b.top_p)
+        token = draw(logp, uniforms(b.seed, b.count))
         if any(greedy):
-            token = torch.where(torch.tensor(greedy, device=logits.device), logp.argmax(-1), token)
+            token = torch.where(b.greedy, logp.argmax(-1), token)
         return token, logp.gather(1, token[:, None])[:, 0]
 
     # ------------------------------------------------------------------ weights
@@ -474,28 +580,6 @@ def _tail_buckets(seqs: list[_Seq]) -> list[list[_Seq]]:
         groups.append(seqs[cut[j]:j])
         j = cut[j]
     return groups[::-1]
-
-
-def _draw(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row from softmax(logp) [B, V] by inverting the CDF at u [B] in [0, 1).
-
-    ~10x cheaper on CPU than torch.multinomial or Gumbel-max over a 49k vocabulary (one cumsum
-    instead of one random number per entry). `right=True` lands on the first index whose CDF
-    exceeds u, so a token of probability 0 (cut by top-p) is never drawn.
-    """
-    cdf = logp.exp().cumsum(-1)
-    x = u.to(cdf.dtype)[:, None] * cdf[:, -1:]
-    return torch.searchsorted(cdf, x, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
-
-
-def _top_p(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep each row's smallest set of tokens whose mass reaches top_p; renormalize (log space)."""
-    sorted_logp, order = logp.sort(dim=-1, descending=True)
-    before = sorted_logp.exp().cumsum(-1) - sorted_logp.exp()  # mass of the tokens ranked higher
-    drop_sorted = before >= top_p[:, None]
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    logp = logp.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(logp, dim=-1)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:

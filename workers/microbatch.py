@@ -74,6 +74,7 @@ class MicroBatch:
     targets: torch.Tensor
     behav: torch.Tensor
     adv: torch.Tensor
+    padded: bool = False  # unshared: some row is shorter than L (known here, on the host)
 
     @property
     def tokens(self) -> int:
@@ -152,7 +153,8 @@ def build_micro_batch(samples: list[wire.TrainSample], index: list[int], adv: to
         gather.extend(range(row * width + p - 1, row * width + p + c - 1))
     return MicroBatch(list(index), input_ids.to(device), attention_mask.to(device), None,
                       torch.tensor(gather, dtype=torch.long, device=device),
-                      *_flat_targets(samples, index, adv, device))
+                      *_flat_targets(samples, index, adv, device),
+                      padded=any(len(r) < width for r in rows))
 
 
 def build_packed_micro_batch(samples: list[wire.TrainSample], groups: list[list[int]],

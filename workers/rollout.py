@@ -11,7 +11,8 @@
         pending weights:
             interrupt on  -> load now (we are at a chunk boundary), rebuild KV, WeightsLoaded
             interrupt off -> stop admitting; once no row runs: load, WeightsLoaded, admit again
-        chunk_tokens engine steps -> a Completion as soon as each sequence finishes
+        chunk_tokens engine steps -> a Completion as soon as the engine looks at a finished
+                                     sequence (every step on a CPU; see Engine.advance)
 
 The pipe is looked at only between chunks, so `rollout.chunk_tokens` decode steps are the
 interrupt granularity.
@@ -61,10 +62,11 @@ class RolloutWorker:
                 msg = channel.poll()
             if self.pending is not None and (self.interrupt or engine.running == 0):
                 self._load(channel)
-            for _ in range(self.chunk_tokens):  # one chunk; each Completion leaves at once
-                if not engine.busy:
-                    break
-                for done in engine.step():
+            steps = self.chunk_tokens  # one chunk; each Completion leaves at the look that finds it
+            while steps > 0 and engine.busy:
+                taken, finished = engine.advance(steps)
+                steps -= taken
+                for done in finished:
                     channel.send(done)
 
     def _handle(self, msg: Any, channel: Channel) -> None:

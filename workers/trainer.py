@@ -82,26 +82,31 @@ SFT_STATS = ("loss", "entropy", "grad_norm", "tokens", "computed_tokens", "seqs"
 
 
 class _Stats:
-    """Running sums over the tokens of one update."""
+    """Running sums over the tokens of one update, as 0-d float64 tensors on the trainer's
+    device: adding a micro-batch reads nothing on the host (on a GPU a read waits for every
+    queued kernel); `_summary` reads them all at once. float64 sums of the float32 partial
+    sums are the same numbers as the Python floats they replace."""
 
-    def __init__(self) -> None:
-        self.tokens = 0
-        self.loss: list[float] = []
-        self.grad_norm: list[float] = []
-        self.entropy = self.clipped = self.kl = self.ratio_sum = 0.0
-        self.ratio_min, self.ratio_max = math.inf, -math.inf
+    def __init__(self, device: str) -> None:
+        self.tokens = 0  # from shapes, on the host
+        self.loss: list[torch.Tensor] = []  # per mini-batch
+        self.grad_norm: list[torch.Tensor] = []
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.entropy = self.clipped = self.kl = self.ratio_sum = zero
+        self.ratio_min, self.ratio_max = zero + math.inf, zero - math.inf
 
     def add(self, st: losses.TokenStats, entropy: torch.Tensor, kl: torch.Tensor | None) -> None:
         if st.ratio.numel() == 0:
             return
         self.tokens += st.ratio.numel()
-        self.entropy += float(entropy.sum())
-        self.clipped += float(st.clipped.sum())
-        self.ratio_sum += float(st.ratio.sum())
-        self.ratio_min = min(self.ratio_min, float(st.ratio.min()))
-        self.ratio_max = max(self.ratio_max, float(st.ratio.max()))
+        self.entropy = self.entropy + entropy.sum().double()
+        self.clipped = self.clipped + st.clipped.sum().double()
+        self.ratio_sum = self.ratio_sum + st.ratio.sum().double()
+        # fmin / fmax skip a NaN as Python's min / max did
+        self.ratio_min = torch.fmin(self.ratio_min, st.ratio.min().double())
+        self.ratio_max = torch.fmax(self.ratio_max, st.ratio.max().double())
         if kl is not None:
-            self.kl += float(kl.detach().sum())
+            self.kl = self.kl + kl.detach().sum().double()
 
 
 def bf16_autocast(setting: str, device: str) -> bool:
@@ -207,10 +212,22 @@ class Trainer:
 
     @staticmethod
     def _attention_mask(model: Any, mb: MicroBatch) -> torch.Tensor:
-        """mb's mask as the model's attention takes it: sdpa takes the packed bool mask
-        (True = may see), eager adds it to the scores, so it gets 0 / the dtype's minimum."""
+        """mb's mask as the model's attention takes it: sdpa takes a 4D bool mask (True = may
+        see), eager adds it to the scores, so it gets 0 / the dtype's minimum.
+
+        Unshared rows with padding get the causal-and-padding mask transformers would build
+        from the [n, L] one, built here: transformers first asks the device whether the mask
+        holds any padding, a host read (on a GPU, a wait) per forward. Rows without padding
+        keep [n, L]: sdpa then runs its causal kernel, as before (transformers still reads)."""
         mask = mb.attention_mask
-        if not mb.shared or model.config._attn_implementation != "eager":
+        attention = model.config._attn_implementation
+        if not mb.shared:
+            if not (mb.padded and attention in PACKED_ATTENTION):
+                return mask
+            width = mask.shape[1]
+            causal = torch.ones(width, width, dtype=torch.bool, device=mask.device).tril_()
+            mask = causal[None, None] & mask.bool()[:, None, None, :]  # [n, 1, L, L]
+        if attention != "eager":
             return mask
         dtype = next(model.parameters()).dtype
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
@@ -292,13 +309,13 @@ class Trainer:
                     ref[id(mb)] = self.logprobs(mb, self.ref)
         prox_s = time.perf_counter() - t_prox
 
-        stats = _Stats()
+        stats = _Stats(self.device)
         for k, mini in enumerate(plan):
             total = sum(mb.tokens for mb in mini)
             if total == 0:
                 continue
             self.opt.zero_grad(set_to_none=True)
-            loss_sum = 0.0
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             for mb in mini:
                 if mb.tokens == 0:
                     continue
@@ -317,14 +334,14 @@ class Trainer:
                     tok_loss = tok_loss + cfg.kl_coef * kl
                 loss = tok_loss.sum() / total  # token-level aggregation over the mini-batch
                 loss.backward()
-                loss_sum += float(loss.detach())
+                loss_sum = loss_sum + loss.detach().double()
                 stats.add(st, entropy, kl)
                 del logp, entropy, tok_loss, loss
             max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
             self.opt.step()
             stats.loss.append(loss_sum)
-            stats.grad_norm.append(float(norm))
+            stats.grad_norm.append(norm.detach().double())
         self.opt.zero_grad(set_to_none=True)
 
         t_pub = time.perf_counter()
@@ -343,39 +360,49 @@ class Trainer:
     def _summary(self, samples: list[wire.TrainSample], plan: list[list[MicroBatch]],
                  prox: dict[int, torch.Tensor], stats: _Stats, adv: torch.Tensor,
                  rewards: torch.Tensor, objective: str) -> dict[str, Any]:
-        """Plain-number stats of one update (orjson-ready)."""
+        """Plain-number stats of one update (orjson-ready), read off the device in one go."""
         cfg = self.cfg
         mbs = [mb for mini in plan for mb in mini if mb.tokens]
         if mbs:
             behav = torch.cat([mb.behav for mb in mbs]).double()
             prox_all = torch.cat([prox[id(mb)] for mb in mbs]).double()
-            # version of each token, in the same order as behav/prox
-            versions = torch.tensor([v for mb in mbs for i in mb.index for v in samples[i].versions])
         else:
-            behav = prox_all = torch.zeros(0, dtype=torch.float64)
-            versions = torch.zeros(0, dtype=torch.long)
+            behav = prox_all = torch.zeros(0, dtype=torch.float64, device=self.device)
+        # tokens sampled by the weights prox was computed with, in the order of behav / prox
+        versions = [v for mb in mbs for i in mb.index for v in samples[i].versions]
+        own = [k for k, v in enumerate(versions) if v == self.version - 1]
         w = torch.exp(prox_all - behav)
         capped = (w > cfg.behav_cap) if objective == "decoupled_ppo" else torch.zeros_like(w, dtype=torch.bool)
-        own = versions == self.version - 1  # tokens sampled by the weights prox was computed with
-        r = (prox_all - behav)[own]
+        r = (prox_all - behav).index_select(0, torch.tensor(own, dtype=torch.long, device=behav.device))
+        on_device = {"entropy": stats.entropy, "clipped": stats.clipped, "ratio_sum": stats.ratio_sum,
+                     "ratio_min": stats.ratio_min, "ratio_max": stats.ratio_max, "kl": stats.kl}
+        if w.numel():
+            on_device.update(behav_w_min=w.min(), behav_w_mean=w.mean(), behav_w_max=w.max(),
+                             capped_frac=capped.double().mean())
+        if r.numel():
+            on_device["mismatch_kl"] = (torch.expm1(r) - r).mean()
+        values = torch.stack([*on_device.values(), *stats.loss, *stats.grad_norm]).tolist()
+        k, m = len(on_device), len(stats.loss)
+        got = dict(zip(on_device, values[:k], strict=True))
+        loss, grad_norm = values[k:k + m], values[k + m:]
         n = stats.tokens
         return {
-            "loss": _mean(stats.loss),
-            "entropy": stats.entropy / n if n else 0.0,
-            "clip_frac": stats.clipped / n if n else 0.0,
-            "ratio_min": stats.ratio_min if n else 1.0,
-            "ratio_mean": stats.ratio_sum / n if n else 1.0,
-            "ratio_max": stats.ratio_max if n else 1.0,
-            "behav_w_min": float(w.min()) if w.numel() else 1.0,
-            "behav_w_mean": float(w.mean()) if w.numel() else 1.0,
-            "behav_w_max": float(w.max()) if w.numel() else 1.0,
-            "capped_frac": float(capped.double().mean()) if w.numel() else 0.0,
-            "grad_norm": _mean(stats.grad_norm),
-            "kl": stats.kl / n if n else 0.0,
+            "loss": _mean(loss),
+            "entropy": got["entropy"] / n if n else 0.0,
+            "clip_frac": got["clipped"] / n if n else 0.0,
+            "ratio_min": got["ratio_min"] if n else 1.0,
+            "ratio_mean": got["ratio_sum"] / n if n else 1.0,
+            "ratio_max": got["ratio_max"] if n else 1.0,
+            "behav_w_min": got.get("behav_w_min", 1.0),
+            "behav_w_mean": got.get("behav_w_mean", 1.0),
+            "behav_w_max": got.get("behav_w_max", 1.0),
+            "capped_frac": got.get("capped_frac", 0.0),
+            "grad_norm": _mean(grad_norm),
+            "kl": got["kl"] / n if n else 0.0,
             "tokens": int(n),
             "computed_tokens": sum(mb.computed for mb in mbs),
             "seqs": len(samples),
-            "mismatch_kl": float((torch.expm1(r) - r).mean()) if r.numel() else None,
+            "mismatch_kl": got.get("mismatch_kl"),
             "reward_mean": float(rewards.mean()),
             "adv_abs_mean": float(adv.abs().mean()),
         }
