@@ -30,10 +30,13 @@ import sys
 import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from areal_aio.settings import Settings, SettingsError
+
+R = TypeVar("R")
 
 if TYPE_CHECKING:
     from areal_aio.tasks import Task
@@ -70,19 +73,25 @@ def check_tasks(settings: Settings) -> list[Task] | None:
     """The rows of a task file (None for generated tasks); PreflightError naming a bad one."""
     from areal_aio.tasks import read_tasks
 
-    path = settings.task.path
+    return read_checked("task.path", settings.task.path, lambda: read_tasks(settings.task),
+                        f"a {settings.task.name} file")
+
+
+def read_checked(key: str, path: str, read: Callable[[], R], kind: str, missing: str = "") -> R:
+    """`read()` of the file that settings key `key` names, each way it can fail as one
+    PreflightError naming the key (`kind`: what the file should be; `missing`: a hint)."""
     try:
-        return read_tasks(settings.task)
+        return read()
     except FileNotFoundError:
-        raise PreflightError(f"task.path: no such file {path!r}") from None
+        raise PreflightError(f"{key}: no such file {path!r}{missing}") from None
     except IsADirectoryError:
-        raise PreflightError(f"task.path: {path!r} is a folder, not a {settings.task.name} file") from None
+        raise PreflightError(f"{key}: {path!r} is a folder, not {kind}") from None
     except OSError as exc:
-        raise PreflightError(f"task.path: cannot read {path!r} ({exc.strerror or exc})") from None
+        raise PreflightError(f"{key}: cannot read {path!r} ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:
-        raise PreflightError(f"task.path: {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        raise PreflightError(f"{key}: {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except ValueError as exc:
-        raise PreflightError(f"task.path: {exc}") from None
+        raise PreflightError(f"{key}: {exc}") from None
 
 
 def check_reward(settings: Settings, rows: list[Task] | None) -> None:

@@ -44,11 +44,11 @@ import orjson
 
 from areal_aio import wire
 from areal_aio.evaluation import greedy_completions, rates, sample_rows, score
-from areal_aio.preflight import PreflightError, preflight
+from areal_aio.preflight import PreflightError, preflight, read_checked
 from areal_aio.rewards import AnswerReward, Scorer
 from areal_aio.settings import SFT, Settings, SettingsError, load_settings
 from areal_aio.steps import STEP_INSTRUCTION, parse
-from areal_aio.tasks import ANSWER_INSTRUCTION, Task, eval_tasks, training_tasks
+from areal_aio.tasks import ANSWER_INSTRUCTION, Task, eval_tasks, jsonl_rows, training_tasks
 
 FOLDER_FILES = ("settings.toml", "sft.json", "steps.jsonl", "samples.jsonl", "model")
 """A folder holding any of these holds a run or a tuning: never written over."""
@@ -70,13 +70,7 @@ def read_pairs(path: str | Path) -> list[Pair]:
     """Pairs from a JSONL file of {"prompt", "completion"} or {"messages": [...]} rows; a bad
     row is a ValueError naming its line."""
     pairs = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = orjson.loads(line)
-        except orjson.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not valid JSON ({exc})") from None
+    for number, row in jsonl_rows(path):
         pair = _row_pair(row)
         if isinstance(pair, str):
             raise ValueError(f"{path}:{number}: {pair}; expected {{\"prompt\": ..., \"completion\": ...}} or "
@@ -242,18 +236,7 @@ def check(settings: Settings, folder: Path, out: str | None) -> None:
             raise PreflightError(f"sft.data = generated: task {settings.task.name!r} has no reference "
                                  "replies; give sft.data a JSONL file of {prompt, completion} rows")
     else:
-        try:
-            read_pairs(data)
-        except FileNotFoundError:
-            raise PreflightError(f"sft.data: no such file {data!r} (or 'generated')") from None
-        except IsADirectoryError:
-            raise PreflightError(f"sft.data: {data!r} is a folder, not a JSONL file") from None
-        except OSError as exc:
-            raise PreflightError(f"sft.data: cannot read {data!r} ({exc.strerror or exc})") from None
-        except UnicodeDecodeError as exc:
-            raise PreflightError(f"sft.data: {data!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-        except ValueError as exc:
-            raise PreflightError(f"sft.data: {exc}") from None
+        read_checked("sft.data", data, lambda: read_pairs(data), "a JSONL file", " (or 'generated')")
     found = [name for name in FOLDER_FILES if (folder / name).exists()]
     if found:
         raise PreflightError(f"{'--out' if out else 'run.name'}: {folder} already holds a run ({found[0]}); "

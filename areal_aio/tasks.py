@@ -92,17 +92,21 @@ EXPECTED = ("expected an object with a prompt string (or a messages list) and an
             "(string or number)")
 
 
-def read_jsonl(path: str | Path) -> list[Task]:
-    """Tasks from a JSONL file; a malformed row is an error naming its line."""
-    tasks = []
+def jsonl_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed row) of each non-blank line; a line that is not JSON is a
+    ValueError naming it."""
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            row = orjson.loads(line)
+            yield number, orjson.loads(line)
         except orjson.JSONDecodeError as exc:
             raise ValueError(f"{path}:{number}: not valid JSON ({exc})") from None
-        tasks.append(task_from_row(row, number, f"{path}:{number}"))
+
+
+def read_jsonl(path: str | Path) -> list[Task]:
+    """Tasks from a JSONL file; a malformed row is an error naming its line."""
+    tasks = [task_from_row(row, number, f"{path}:{number}") for number, row in jsonl_rows(path)]
     if not tasks:
         raise ValueError(f"{path}: no tasks (the file is empty)")
     return tasks

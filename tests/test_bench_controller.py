@@ -200,7 +200,7 @@ async def test_grid_skips_finished_cells_and_reruns_unfinished_ones(tmp_path):
 async def test_grid_reruns_a_cancelled_cell_and_records_failures(tmp_path):
     calls: list[str] = []
     grid = asyncio.create_task(run_grid(CELLS, tmp_path, settings_path=None, overrides=BASE,
-                                        run_fn=fake_runner(calls, {"b": 0.05}), log=lambda _: None))
+                                        run_fn=fake_runner(calls, {"b": 0.5}), log=lambda _: None))
     while "b" not in calls:
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.2)
