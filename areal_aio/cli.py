@@ -151,18 +151,11 @@ def _run(settings, out: str | None, resume=None, rows=None) -> int:
     orchestrator = Orchestrator(settings, out_dir=out, resume=resume, **given)
     try:
         summary = run_owned(run_tracked(orchestrator))
-    except KeyboardInterrupt:
-        print(f"\ninterrupted; workers stopped, partial results in {orchestrator.folder}", file=sys.stderr)
-        return 130
-    except asyncio.CancelledError:
-        print(f"\nterminated; workers stopped, partial results in {orchestrator.folder}", file=sys.stderr)
-        return 143
     except CheckpointError as exc:  # the folder holds a run, or another run is using it
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:  # noqa: BLE001 - any failure of the run: one line here, the rest in the folder
-        print(f"\nerror: {one_line(exc)}; {write_error_log(exc, orchestrator.folder)}", file=sys.stderr)
-        return 1
+    except BaseException as exc:  # noqa: BLE001 - exit_code re-raises what is not a run's end
+        return exit_code(exc, orchestrator.folder)
     print(file=sys.stderr)
     print(orjson.dumps({k: summary.get(k) for k in SUMMARY_KEYS}, option=orjson.OPT_INDENT_2).decode())
     print("eval curve (step, wall_s, pass, strict):")
@@ -206,6 +199,22 @@ async def _owning_process(coro):
         return await coro
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
+
+
+def exit_code(exc: BaseException, folder: Path) -> int:
+    """How a command that ran workers for a run folder ends on `exc`: Ctrl-C 130, SIGTERM 143
+    (the workers were stopped either way), any other failure one line here and the traceback in
+    `folder`/error.log, 1. A BaseException that is none of these is raised again."""
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"\ninterrupted; workers stopped, partial results in {folder}", file=sys.stderr)
+        return 130
+    if isinstance(exc, asyncio.CancelledError):
+        print(f"\nterminated; workers stopped, partial results in {folder}", file=sys.stderr)
+        return 143
+    if not isinstance(exc, Exception):
+        raise exc
+    print(f"\nerror: {one_line(exc)}; {write_error_log(exc, folder)}", file=sys.stderr)
+    return 1
 
 
 def run_owned(coro):

@@ -336,7 +336,7 @@ def _tokenize_all(settings: Settings, plan: list[list[Pair]]) -> list[list[tuple
 
 def main(settings_path: str, overrides: list[str], out: str | None) -> int:
     """`python -m areal_aio sft`: exit 0 done, 1 failed (one line; error.log), 2 bad input, 130 / 143."""
-    from areal_aio.cli import one_line, run_owned, write_error_log
+    from areal_aio.cli import exit_code, run_owned
 
     try:
         settings = load_settings(settings_path, overrides)
@@ -347,15 +347,8 @@ def main(settings_path: str, overrides: list[str], out: str | None) -> int:
         return 2
     try:
         summary = run_owned(fine_tune(settings, folder))
-    except KeyboardInterrupt:
-        print(f"\ninterrupted; workers stopped, partial results in {folder}", file=sys.stderr)
-        return 130
-    except asyncio.CancelledError:
-        print(f"\nterminated; workers stopped, partial results in {folder}", file=sys.stderr)
-        return 143
-    except Exception as exc:  # noqa: BLE001 - one line here, the traceback in the folder
-        print(f"error: {one_line(exc)}; {write_error_log(exc, folder)}", file=sys.stderr)
-        return 1
+    except BaseException as exc:  # noqa: BLE001 - exit_code re-raises what is not a run's end
+        return exit_code(exc, folder)
     for stage in ("before_plain", "before", "after"):
         if stage in summary:
             r = summary[stage]
