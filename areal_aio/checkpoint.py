@@ -39,7 +39,8 @@ FOLDER = "checkpoints"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 RESUMABLE = ("run.max_steps", "run.max_wall_s", "run.threshold", "run.progress",
              "run.checkpoint_every", "run.keep_checkpoints", "run.keep_best", "task.eval_every",
-             "rollout.device", "rollout.threads", "rollout.max_batch", "trainer.device",
+             "rollout.device", "rollout.devices", "rollout.threads", "rollout.max_batch", "trainer.device",
+             "trainer.devices",
              "trainer.threads", "controller.reward_procs")
 """Keys a resume may change: when and where to stop, save, report and evaluate, and on which
 devices and cores. Every other key changes what is trained (data, model, objective, rollouts)."""

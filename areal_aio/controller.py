@@ -59,8 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from areal_aio import checkpoint, evaluation, keeping, process_reward, stats, wire
-from areal_aio.client import PipeWorker, WorkerClient, WorkerFailed
+from areal_aio import checkpoint, evaluation, keeping, placement, process_reward, stats, wire
+from areal_aio.client import WorkerClient, WorkerFailed
 from areal_aio.progress import Progress
 from areal_aio.replay import Group, ReplayBuffer
 from areal_aio.reward_pool import RewardPoolBroken
@@ -145,8 +145,8 @@ class Orchestrator:
             self.folder = self._ckpt.path.parent.parent
             name = self.folder.name
         self._name = name
-        self.rollout = rollout or PipeWorker("rollout", self.folder / "rollout.log", settings.rollout.threads)
-        self.trainer = trainer or PipeWorker("trainer", self.folder / "trainer.log", settings.trainer.threads)
+        self.rollout = rollout or placement.rollout_client(settings, self.folder)
+        self.trainer = trainer or placement.trainer_client(settings, self.folder)
         # the admission rule's state (live, trained, version, capacity): areal_aio.staleness
         self.admission = Admission(self.B, self.eta, self.max_in_flight,
                                    version=state.get("version", 0), trained=state.get("trained", 0))

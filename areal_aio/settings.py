@@ -145,6 +145,24 @@ def reward_parts(key: str, value: str | list) -> list[tuple[str, str, float]]:
     return parts
 
 
+def devices_value(key: str, value: Any) -> list:
+    """rollout.devices / trainer.devices: a list of cpu | cuda | cuda:N, or a count of CPU workers."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise SettingsError(f"{key}: a count of CPU workers must be >= 1, got {value}")
+        return ["cpu"] * value
+    if not isinstance(value, list):
+        raise SettingsError(f"{key}: expected a list of devices or a count of CPU workers, got {value!r}")
+    for dev in value:
+        if not _is_device(dev):
+            raise SettingsError(f"{key}: {dev!r} not allowed; use cpu, cuda or cuda:N")
+    return value
+
+
+def _is_device(dev: Any) -> bool:
+    return isinstance(dev, str) and (dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()))
+
+
 @dataclass(frozen=True, slots=True)
 class TaskSettings:
     name: str = opt("arithmetic", "arithmetic (procedural, reasoning-gym basic_arithmetic) | chain (procedural multi-step arithmetic with worked solutions, step-tagged replies; terms - 1 steps, so 3-5 terms) | jsonl (a file of rows, one JSON object a line) | parquet (a Parquet file) | datasets (a folder written by datasets' save_to_disk; its train split). File rows: {prompt, answer} or {messages, answer} (a chat: system/user/assistant turns ending with a user turn), an optional id; any other column goes to the reward. parquet and datasets need pip install 'areal_aio[data]'.", choices=("arithmetic", "chain", *TASK_FILES))
@@ -162,6 +180,7 @@ class TaskSettings:
 @dataclass(frozen=True, slots=True)
 class RolloutSettings:
     device: str = opt("cpu", "cpu | cuda | cuda:N")
+    devices: list = opt([], "Several rollout workers: a list of devices, one persistent worker each (e.g. [\"cuda:0\", \"cuda:1\"]), or a count N of CPU workers (rollout.threads cores each); [] = one worker on rollout.device. Groups go to the least-loaded worker, every committed version to all of them; admission and staleness stay global.", parse=devices_value)
     threads: int = opt(1, "Torch intra-op threads of the rollout worker (give each worker its own cores). run.mode = sync on a CPU presets every core of the machine: the workers take turns, so each may use them all while it works.", ge=1)
     group_size: int = opt(8, "Samples per prompt (a GRPO group); trainer.batch_size must be a multiple.", ge=1)
     max_new_tokens: int = opt(64, "Generation stops at EOS or after this many tokens.", ge=1)
@@ -176,6 +195,7 @@ class RolloutSettings:
 @dataclass(frozen=True, slots=True)
 class TrainerSettings:
     device: str = opt("cpu", "cpu | cuda | cuda:N")
+    devices: list = opt([], "A data-parallel trainer: a list of devices, one torch.distributed rank each (NCCL on GPUs, gloo on CPU), or a count N of CPU ranks (trainer.threads cores each); [] = one rank on trainer.device. Each step's micro-batches are split across ranks by tokens; rank 0 publishes.", parse=devices_value)
     threads: int = opt(1, "Torch intra-op threads of the trainer worker. run.mode = sync on a CPU presets every core of the machine (see rollout.threads).", ge=1)
     batch_size: int = opt(32, "Samples per trainer step (B in the admission rule); a multiple of rollout.group_size.", ge=1)
     objective: str = opt("decoupled_ppo", "pg | ppo | decoupled_ppo (preset to decoupled_ppo by run.mode = areal).", choices=OBJECTIVES)
@@ -283,7 +303,7 @@ class Settings:
         if (problem := report_to_error(self.run.report_to)) is not None:
             raise SettingsError(f"run.report_to: {problem}")
         for key, dev in (("rollout.device", self.rollout.device), ("trainer.device", self.trainer.device)):
-            if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+            if not _is_device(dev):
                 raise SettingsError(f"{key}: {dev!r} not allowed; use cpu, cuda or cuda:N")
 
     @property
@@ -301,6 +321,16 @@ class Settings:
         if self.controller.max_in_flight:
             return self.controller.max_in_flight
         return UNBOUNDED_IN_FLIGHT_BATCHES * self.trainer.batch_size if math.isinf(self.eta) else 0
+
+    @property
+    def rollout_devices(self) -> list[str]:
+        """One entry per rollout worker: rollout.devices, or [rollout.device]."""
+        return list(self.rollout.devices) or [self.rollout.device]
+
+    @property
+    def trainer_devices(self) -> list[str]:
+        """One entry per trainer rank: trainer.devices, or [trainer.device]."""
+        return list(self.trainer.devices) or [self.trainer.device]
 
     @property
     def prompts_per_step(self) -> int:
@@ -324,20 +354,23 @@ class Settings:
         return "\n".join(out) + "\n"
 
 
-def mode_presets(mode: str, devices: dict[str, str] | None = None) -> dict[str, Any]:
+def mode_presets(mode: str, devices: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a mode sets (DESIGN.md, Modes); eta is derived from the mode in `Settings.eta`.
 
-    `devices`: {"rollout.device": ..., "trainer.device": ...} (default cpu). sync alternates,
-    generate a batch, then train on it, so its two workers never compute at once: each worker
-    on the CPU gets all the machine's cores (one each would leave half of them idle at every
-    moment and flatter the modes that overlap)."""
+    `devices`: any of rollout.device, rollout.devices, trainer.device, trainer.devices as given
+    (default: one worker each, on the CPU). sync alternates, generate a batch, then train on
+    it, so its two roles never compute at once: the workers of a role on the CPU share all the
+    machine's cores (one each would leave half of them idle at every moment and flatter the
+    modes that overlap)."""
     if mode == "areal":
         return {"rollout.interrupt": True, "trainer.objective": "decoupled_ppo"}
     presets: dict[str, Any] = {"rollout.interrupt": False}
     if mode == "sync":
+        given = devices or {}
         for role in ("rollout", "trainer"):
-            if (devices or {}).get(f"{role}.device", "cpu") == "cpu":
-                presets[f"{role}.threads"] = cpu_cores()
+            devs = given.get(f"{role}.devices") or [given.get(f"{role}.device", "cpu")]
+            if all(dev == "cpu" for dev in devs):
+                presets[f"{role}.threads"] = max(1, cpu_cores() // len(devs))
     return presets
 
 
@@ -400,7 +433,8 @@ def build_settings(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] =
     for key, value in flat.items():  # every given value is checked, also one a preset replaces
         flat[key] = _coerce_key(key, value)
     mode = flat.get("run.mode", RunSettings().mode)
-    devices = {key: flat[key] for key in ("rollout.device", "trainer.device") if key in flat}
+    devices = {key: flat[key] for key in ("rollout.device", "rollout.devices", "trainer.device",
+                                          "trainer.devices") if key in flat}
     presets = mode_presets(mode, devices) if mode in MODES else {}
     presets |= process_presets(flat.get("process.mode", ProcessSettings().mode))
     for key, value in presets.items():

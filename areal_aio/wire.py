@@ -40,6 +40,9 @@ class Init:
     settings: dict  # Settings.to_dict() of the run
     shm_dir: str  # the run's private folder under /dev/shm (weight store)
     resume: str = ""  # trainer: a checkpoint's trainer/ folder to continue from ("" = fresh start)
+    rank: int = 0  # this worker's index among its role's workers (trainer: its torch.distributed rank)
+    world: int = 1  # how many workers its role has
+    dist_addr: str = ""  # trainer with world > 1: the tcp://host:port of the process group's store
 
 
 @dataclass(frozen=True, slots=True)

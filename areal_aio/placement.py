@@ -1,0 +1,33 @@
+"""Where a run's workers live: the clients the controller talks to, one per role.
+
+    rollout.devices = [d0, d1, ...]  ->  one rollout worker per entry
+    trainer.devices = [d0, d1, ...]  ->  one trainer rank per entry
+
+A role with one worker is that worker's client (PipeWorker: a local subprocess). The
+controller never sees how many workers a role has: it holds one WorkerClient per role.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from areal_aio.client import PipeWorker, WorkerClient
+from areal_aio.settings import Settings
+
+
+def worker(role: str, index: int, count: int, settings: Settings, folder: Path) -> WorkerClient:
+    """The client of one worker of `role`: worker `index` of `count`; its log goes to the run
+    folder (rollout.log, or rollout-1.log ... with several)."""
+    threads = settings.rollout.threads if role == "rollout" else settings.trainer.threads
+    log = folder / (f"{role}.log" if count == 1 else f"{role}-{index}.log")
+    return PipeWorker(role, log, threads)
+
+
+def rollout_client(settings: Settings, folder: Path) -> WorkerClient:
+    """The rollout role's client."""
+    return worker("rollout", 0, 1, settings, folder)
+
+
+def trainer_client(settings: Settings, folder: Path) -> WorkerClient:
+    """The trainer role's client."""
+    return worker("trainer", 0, 1, settings, folder)
