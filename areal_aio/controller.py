@@ -1,4 +1,4 @@
-"""The controller: one asyncio event loop driving a rollout worker and a trainer worker.
+"""The controller: one asyncio event loop driving the rollout workers and a trainer worker.
 
     tasks (any iterable / async iterable)
         |
@@ -6,7 +6,7 @@
         |                      (live = ever admitted - dropped; never lowered by training)
         |  Generate x G (one group)                       ^ capacity event: commit, drop
         v                                                 |
-    rollout pipe ----> [rollout_reader] --Completion--> [score] (reward pool, timeout -> 0)
+    rollout pipe(s) -> [rollout_reader] --Completion--> [score] (reward pool, timeout -> 0)
                              |  WeightsLoaded               |  process.mode: M continuations per step
                              |  continuation -------------->|  prefix, awaited (process_reward.py);
                              |    Completions               |  never trained, not admitted
@@ -23,14 +23,19 @@
             every run.checkpoint_every steps a checkpoint -> checkpoints/step-N
     [monitor]  loop lag, queue depths, progress line, row flushing
 
+The rollout role is one WorkerClient however many workers it has (placement.py: one
+worker, or a RolloutPool that sends each group whole to its least-loaded worker, every
+version to all of them, and merges their replies); nothing here assumes one rollout worker.
+Admission and staleness are global: one clock, one rule, whichever worker a group ran on.
+
 Who blocks on whom: dispatch waits for the baseline eval (version 0, the
-rollout worker to itself), then for capacity (version commits and drops
+rollout workers to themselves), then for capacity (version commits and drops
 release it); train_loop waits for the replay buffer to hold a fresh batch and
 then for the trainer (no Train is sent while a Save is out: a checkpoint's two
 parts hold the same version); readers wait on their pipes. Only train_loop
 ends the run: when it returns, the other tasks are cancelled. Shutdown, on
 every path (normal end, threshold, max_wall_s, Ctrl-C, SIGTERM, a worker
-failure): while the rollout worker is stopped, a trainer that is alive keeps
+failure): while the rollout workers are stopped, a trainer that is alive keeps
 the run (keeping.py: it finishes and commits a step in flight, then writes
 model/, best/ and a final checkpoint); then it is stopped too (asked,
 terminated, killed), the weight store folder is removed and the summary
@@ -41,7 +46,7 @@ RewardPoolBroken, raised by a score task when the reward pool keeps breaking.
 Resume (`resume=` a run folder): the controller state comes back from the
 newest checkpoint (run_state / _restore here, the best eval and the resumes in
 keeping.py), the trainer starts from its trainer part and publishes that
-version, the rollout worker loads it; the groups admitted but not trained at
+version, every rollout worker loads it; the groups admitted but not trained at
 the checkpoint are dispatched again first (same group ids, tasks and sampling
 seeds: the samples they lost in flight are counted as lost_in_flight), then
 the task stream continues after the tasks it had handed out.
@@ -163,6 +168,8 @@ class Orchestrator:
         self._source_done = False
         self._closing = False  # the train loop is done: in-flight rollouts are abandoned
         self._group_ids = itertools.count()
+        # the rollout role is busy while any of its workers has a request out (its idle fraction:
+        # the time none had work); how they share it is the pool's routing
         self._rollout_busy = Busy(lambda on: self.log.events.info("busy", worker="rollout", busy=on))
         self._trainer_busy = Busy(lambda on: self.log.events.info("busy", worker="trainer", busy=on))
         # Train and Save requests, their replies, the step in flight: areal_aio.trainer_link
@@ -257,19 +264,21 @@ class Orchestrator:
         ready = await asyncio.gather(
             self.rollout.start(wire.Init("rollout", settings, str(self.store.root))),
             self.trainer.start(wire.Init("trainer", settings, str(self.store.root), resume)))
+        rollouts = getattr(self.rollout, "readies", None) or [ready[0]]  # a pool's: one per worker
         self._workers_up = True
         if ready[1].version != self.version:
             raise WorkerFailed("trainer", f"started at version {ready[1].version}, the checkpoint "
                                           f"holds {self.version}")
-        if self.version:  # resumed: the trainer published this version; the rollout loads it first
+        if self.version:  # resumed: the trainer published this version; every rollout worker loads it first
             await self.rollout.send(wire.UpdateWeights(self.version, str(self.store.path(self.version))))
         self._cold_start.update(cold_start_s=round(time.perf_counter() - t0, 3),
                                 rollout_load_s=round(ready[0].load_s, 3),
                                 trainer_load_s=round(ready[1].load_s, 3),
-                                rollout_device=ready[0].device, trainer_device=ready[1].device)
-        for r in ready:
-            self.log.events.info("worker_ready", role=r.role, pid=r.pid, load_s=round(r.load_s, 3),
-                                 device=r.device)
+                                rollout_device=ready[0].device, trainer_device=ready[1].device,
+                                rollout_workers=len(rollouts), rollout_devices=[r.device for r in rollouts])
+        for worker, r in [*enumerate(rollouts), (0, ready[1])]:
+            self.log.events.info("worker_ready", role=r.role, worker=worker, pid=r.pid,
+                                 load_s=round(r.load_s, 3), device=r.device)
 
     async def _supervise(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -354,9 +363,10 @@ class Orchestrator:
                     elif not self._process.deliver(msg):
                         self._on_completion(msg)
                 case wire.WeightsLoaded():
-                    self.log.events.info("weights_loaded", version=msg.version,
+                    self.log.events.info("weights_loaded", version=msg.version, worker=msg.worker,
                                          load_s=round(msg.load_s, 4), rebuilt=msg.rebuilt)
-                    self._emit("weights_loaded", version=msg.version, load_s=msg.load_s, rebuilt=msg.rebuilt)
+                    self._emit("weights_loaded", version=msg.version, worker=msg.worker, load_s=msg.load_s,
+                               rebuilt=msg.rebuilt)
                 case _:
                     raise self.rollout.failure(msg)
 
@@ -470,7 +480,7 @@ class Orchestrator:
                 await self.keeper.export_best()
             if every and self.step % every == 0 and not last:
                 await self.keeper.checkpoint()
-        # the final eval gets the rollout worker to itself: training rollouts end first
+        # the final eval gets the rollout workers to themselves: training rollouts end first
         await self._stop_generating()
         if not any(row["step"] == self.step for row in self.eval_curve) and \
                 not any(t.get_name() == f"eval-{self.step}" for t in self._evals):
@@ -479,14 +489,12 @@ class Orchestrator:
             await asyncio.gather(*self._evals)
 
     async def _stop_generating(self) -> None:
-        """No more training rollouts: the final eval gets the rollout worker to itself.
+        """No more training rollouts: the final eval gets the rollout workers to themselves.
         Continuations in flight are aborted too, and their replies are left unscored."""
         self._closing = True
         self._dispatcher.cancel()
-        for rid in list(self._requests):
-            await self.rollout.send(wire.Abort(rid))
-        if aborts := [wire.Abort(rid) for rid in self._process.close()]:
-            await self.rollout.send_many(aborts)
+        if aborts := [wire.Abort(rid) for rid in [*self._requests, *self._process.close()]]:
+            await self.rollout.send_many(aborts)  # each to the worker that holds it
 
     def _should_stop(self) -> bool:
         return self._stop.is_set() or time.perf_counter() - self._t0 >= self.settings.run.max_wall_s
@@ -507,13 +515,13 @@ class Orchestrator:
                 await self.rollout.send(wire.Abort(rid))
 
     def _commit(self, record: tuple, trained: wire.Trained) -> None:
-        """Advance the clock to a Trained version and record its step (the rollout worker is
+        """Advance the clock to a Trained version and record its step (the rollout workers are
         told by the train loop, after this); `record` is (step, samples, stale, wait_s, t0)."""
         step, samples, stale, wait_s, t0 = record
         train_s = time.perf_counter() - t0
         if trained.version != self.version + 1:
             raise WorkerFailed("trainer", f"reported version {trained.version} after {self.version}")
-        # Commit: the controller is the only writer of the clock, and tells the rollout worker only now.
+        # Commit: the controller is the only writer of the clock, and tells the rollout workers only now.
         self.step = step
         self.admission.commit(trained.version, len(samples))
         wall = time.perf_counter() - self._t0

@@ -116,6 +116,7 @@ class FakeRollout(_FakeWorker):
         self.continuation = continuation
         self.fail_on = fail_on  # a request id whose arrival makes the worker send Error
         self.version = 0
+        self.rank = 0  # Init.rank: which of the run's rollout workers this is
         self._pending_update: wire.UpdateWeights | None = None
         self._out: asyncio.Queue[Any] = asyncio.Queue()
         self._running: dict[str, asyncio.Task] = {}
@@ -127,6 +128,7 @@ class FakeRollout(_FakeWorker):
 
     async def start(self, init: wire.Init) -> wire.Ready:
         self.interrupt = bool(init.settings["rollout"]["interrupt"])
+        self.rank = init.rank
         return wire.Ready(role=self.role, pid=os.getpid(), load_s=0.0, device="fake", version=0)
 
     async def send(self, msg: Any) -> None:
@@ -182,7 +184,8 @@ class FakeRollout(_FakeWorker):
         self.version = update.version
         self.log.append((time.perf_counter(), "load", update.version))
         await self._out.put(wire.WeightsLoaded(version=update.version, load_s=0.0,
-                                               rebuilt=len(self._running) if self.interrupt else 0))
+                                               rebuilt=len(self._running) if self.interrupt else 0,
+                                               worker=self.rank))
         waiting, self._waiting = self._waiting, []
         for msg in waiting:
             self._start(msg)

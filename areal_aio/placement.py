@@ -3,8 +3,9 @@
     rollout.devices = [d0, d1, ...]  ->  one rollout worker per entry
     trainer.devices = [d0, d1, ...]  ->  one trainer rank per entry
 
-A role with one worker is that worker's client (PipeWorker: a local subprocess). The
-controller never sees how many workers a role has: it holds one WorkerClient per role.
+A role with one worker is that worker's client (PipeWorker: a local subprocess); several
+rollout workers are one RolloutPool (rollout_pool.py). The controller never sees how many
+workers a role has: it holds one WorkerClient per role.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from areal_aio.client import PipeWorker, WorkerClient
+from areal_aio.rollout_pool import RolloutPool
 from areal_aio.settings import Settings
 
 
@@ -24,8 +26,13 @@ def worker(role: str, index: int, count: int, settings: Settings, folder: Path) 
 
 
 def rollout_client(settings: Settings, folder: Path) -> WorkerClient:
-    """The rollout role's client."""
-    return worker("rollout", 0, 1, settings, folder)
+    """The rollout role's client: one worker's on rollout.device, else a pool of one worker per
+    entry of rollout.devices (each told its device in its Init; one entry too)."""
+    devices = settings.rollout_devices
+    if devices == [settings.rollout.device]:
+        return worker("rollout", 0, 1, settings, folder)
+    return RolloutPool([worker("rollout", i, len(devices), settings, folder) for i in range(len(devices))],
+                       devices)
 
 
 def trainer_client(settings: Settings, folder: Path) -> WorkerClient:

@@ -124,6 +124,7 @@ class WeightsLoaded:
     version: int
     load_s: float  # reading the file and copying it into the model
     rebuilt: int  # unfinished sequences whose KV cache was recomputed (interrupted)
+    worker: int = 0  # which rollout worker (its Init.rank): with several, each loads every version
 
 
 @dataclass(frozen=True, slots=True)

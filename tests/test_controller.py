@@ -13,6 +13,7 @@ from areal_aio import wire
 from areal_aio.client import WorkerFailed
 from areal_aio.controller import Orchestrator
 from areal_aio.fakes import FakeRollout, FakeTrainer
+from areal_aio.rollout_pool import RolloutPool
 from areal_aio.settings import build_settings
 from areal_aio.stats import Busy
 from areal_aio.tasks import Task, arithmetic_prompt
@@ -57,6 +58,22 @@ class JitteryRollout(FakeRollout):
         return self.rng.choice([0.0, 0.0005, 0.002, 0.006])
 
 
+WORKERS = [1, 2, 4]
+"""Rollout worker counts the admission and staleness rules are checked with: global and exact."""
+
+
+def rollouts(n: int, make=lambda i: FakeRollout()) -> tuple[list[FakeRollout], RolloutPool | FakeRollout]:
+    """n fake rollout workers (`make(i)` builds worker i) and the client the controller gets
+    for them: the one fake, or a RolloutPool of them (as placement builds for rollout.devices)."""
+    fakes = [make(i) for i in range(n)]
+    return fakes, fakes[0] if n == 1 else RolloutPool(fakes)
+
+
+def merged_log(fakes: list[FakeRollout]) -> list[tuple]:
+    """Every fake's log in time order."""
+    return sorted((entry for f in fakes for entry in f.log), key=lambda entry: entry[0])
+
+
 def trained_staleness(trainer: FakeTrainer) -> list[int]:
     return [b.version - min(s.versions) for b in trainer.batches for s in b.samples]
 
@@ -86,19 +103,22 @@ async def test_run_completes_and_counts_add_up(tmp_path):
     assert not [k for k in required if k not in summary]
 
 
+@pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("eta", [0, 1, 2, 4])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-async def test_no_trained_sample_older_than_eta_under_adversarial_timing(tmp_path, eta, seed):
+async def test_no_trained_sample_older_than_eta_under_adversarial_timing(tmp_path, eta, seed, workers):
     trainer = FakeTrainer(step_delay_s=0.003)
     settings = make_settings("areal", **{"controller.max_staleness": eta, "run.max_steps": 10})
-    summary = await orchestrator(tmp_path, settings, rollout=JitteryRollout(seed), trainer=trainer).run()
+    _, rollout = rollouts(workers, lambda i: JitteryRollout(seed + 100 * i))
+    summary = await orchestrator(tmp_path, settings, rollout=rollout, trainer=trainer).run()
     assert summary["steps"] == 10
     ages = trained_staleness(trainer)
     assert max(ages) <= eta and summary["max_staleness_trained"] == max(ages)
     assert sum(summary["staleness_hist"].values()) == summary["samples_accepted"]
 
 
-async def test_rate_control_holds_at_every_admission(tmp_path):
+@pytest.mark.parametrize("workers", WORKERS)
+async def test_rate_control_holds_at_every_admission(tmp_path, workers):
     eta, B = 1, 4
     settings = make_settings("one_step", **{"run.max_steps": 8})
     violations = []
@@ -110,18 +130,21 @@ async def test_rate_control_holds_at_every_admission(tmp_path):
                     violations.append((orch.admission.live, orch.version))
             await super().send(msg)
 
-    orch = orchestrator(tmp_path, settings, rollout=Checking(3), trainer=FakeTrainer(step_delay_s=0.002))
+    fakes, rollout = rollouts(workers, lambda i: Checking(3 + 100 * i))
+    orch = orchestrator(tmp_path, settings, rollout=rollout, trainer=FakeTrainer(step_delay_s=0.002))
     await orch.run()
-    assert not violations
+    assert not violations and all(f.log for f in fakes)
 
 
-async def test_sync_mode_never_overlaps_generation_and_training(tmp_path):
-    rollout = FakeRollout(tokens=3, token_delay_s=0.002)
+@pytest.mark.parametrize("workers", WORKERS)
+async def test_sync_mode_never_overlaps_generation_and_training(tmp_path, workers):
+    fakes, rollout = rollouts(workers, lambda i: FakeRollout(tokens=3, token_delay_s=0.002))
     trainer = FakeTrainer(step_delay_s=0.01)
     await orchestrator(tmp_path, make_settings("sync", **{"task.eval_every": 100}),
                        rollout=rollout, trainer=trainer).run()
-    starts = {rid: t for t, what, rid in rollout.log if what == "generate" and not rid.startswith("eval")}
-    ends = {rid: t for t, what, rid in rollout.log if what == "done" and rid in starts}
+    log = merged_log(fakes)
+    starts = {rid: t for t, what, rid in log if what == "generate" and not rid.startswith("eval")}
+    ends = {rid: t for t, what, rid in log if what == "done" and rid in starts}
     train = {}
     for t, what, step in trainer.log:
         train.setdefault(step, [0.0, 0.0])[what == "end"] = t
@@ -144,14 +167,15 @@ async def test_areal_mode_overlaps(tmp_path):
     assert any(starts[rid] < t1 and end > t0 for rid, end in ends.items() for t0, t1 in spans.values())
 
 
-async def test_stale_groups_are_dropped_counted_and_release_admission(tmp_path):
+@pytest.mark.parametrize("workers", WORKERS)
+async def test_stale_groups_are_dropped_counted_and_release_admission(tmp_path, workers):
     # Group 1 is slow: later groups fill the batches, and by the time group 1 is back (its
     # oldest token from version 0, interrupted on the way) it is more than eta = 1 behind.
     class SlowGroup(FakeRollout):
         def token_delay(self, request_id):
             return 0.005 if request_id.startswith("g1.") else 0.0
 
-    rollout = SlowGroup(tokens=20)  # group 1 takes ~0.1 s, the 8 steps ~0.24 s
+    _, rollout = rollouts(workers, lambda i: SlowGroup(tokens=20))  # group 1 takes ~0.1 s, the 8 steps ~0.24 s
     trainer = FakeTrainer(step_delay_s=0.03)
     settings = make_settings("areal", **{"controller.max_staleness": 1, "run.max_steps": 8})
     summary = await orchestrator(tmp_path, settings, rollout=rollout, trainer=trainer).run()
@@ -292,21 +316,23 @@ async def test_external_stop_ends_after_current_step(tmp_path):
     assert 0 < summary["steps"] < 10_000 and summary["eval_curve"][-1]["step"] == summary["steps"]
 
 
+@pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("mode", ["sync", "one_step"])
-async def test_admission_never_runs_ahead_of_the_clock(tmp_path, mode):
+async def test_admission_never_runs_ahead_of_the_clock(tmp_path, mode, workers):
     """At version i at most (i + eta + 1) * B rollouts have ever started: sync drops nothing."""
     eta = 0 if mode == "sync" else 1
     settings = make_settings(mode, **{"run.max_steps": 8, "task.eval_every": 100})
-    rollout = JitteryRollout(7)
+    fakes, rollout = rollouts(workers, lambda i: JitteryRollout(7 + 100 * i))
     summary = await orchestrator(tmp_path, settings, rollout=rollout,
                                  trainer=FakeTrainer(step_delay_s=0.002)).run()
-    started = sum(1 for _, what, rid in rollout.log if what == "generate" and not rid.startswith("eval"))
+    started = sum(1 for _, what, rid in merged_log(fakes) if what == "generate" and not rid.startswith("eval"))
     assert started <= (8 + eta + 1) * 4
     if mode == "sync":
         assert summary["samples_dropped_stale"] == 0 and started == 8 * 4
 
 
-async def test_unbounded_staleness_is_capped_by_max_in_flight(tmp_path):
+@pytest.mark.parametrize("workers", WORKERS)
+async def test_unbounded_staleness_is_capped_by_max_in_flight(tmp_path, workers):
     settings = make_settings("areal", **{"controller.max_staleness": -1, "run.max_steps": 5})
     outstanding = []
 
@@ -316,7 +342,8 @@ async def test_unbounded_staleness_is_capped_by_max_in_flight(tmp_path):
                 outstanding.append(orch.admission.outstanding)
             await super().send(msg)
 
-    orch = orchestrator(tmp_path, settings, rollout=Counting(1), trainer=FakeTrainer(step_delay_s=0.01))
+    _, rollout = rollouts(workers, lambda i: Counting(1 + 100 * i))
+    orch = orchestrator(tmp_path, settings, rollout=rollout, trainer=FakeTrainer(step_delay_s=0.01))
     summary = await orch.run()
     assert summary["steps"] == 5 and summary["max_staleness"] is None
     assert max(outstanding) <= settings.max_in_flight == 8 * 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,6 +78,46 @@ async def test_killed_trainer_stops_the_run_and_leaves_nothing(tmp_path):
     assert not orch.store.root.exists()
     summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
     assert "trainer worker failed" in summary["error"]
+
+
+def pids(orch: Orchestrator) -> list[int]:
+    """Every worker process of a run on two rollout workers."""
+    return [w.pid for w in orch.rollout.workers] + [orch.trainer.pid]
+
+
+async def test_two_rollout_workers_share_the_run_and_each_loads_every_version(tmp_path):
+    settings = load_settings(ROOT / "settings.toml", TINY + ["run.mode=sync", "run.max_steps=2",
+                                                             "rollout.devices=2"])
+    orch = Orchestrator(settings, out_dir=tmp_path / "run")
+    summary = await orch.run()
+    assert summary["steps"] == 2 and summary["error"] is None and summary["rollout_workers"] == 2
+    assert summary["max_staleness_trained"] == 0 and summary["samples_accepted"] == 16
+    events = [orjson.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_bytes().splitlines()]
+    loads = {(e["version"], e["worker"]) for e in events if e["event"] == "weights_loaded"}
+    assert loads == {(v, w) for v in (1, 2) for w in (0, 1)}
+    ready = sorted((e["role"], e["worker"]) for e in events if e["event"] == "worker_ready")
+    assert ready == [("rollout", 0), ("rollout", 1), ("trainer", 0)]
+    for i in (0, 1):  # each worker answered training and eval requests (its exit line says how many)
+        served = re.findall(rf"\[rollout {i}\] served (\d+) requests",
+                            (tmp_path / "run" / f"rollout-{i}.log").read_text())
+        assert served and int(served[0]) >= 4 + 4, served
+    assert not any(alive(p) for p in pids(orch)) and not orch.store.root.exists()
+
+
+async def test_a_killed_rollout_worker_of_two_stops_the_run_and_leaves_nothing(tmp_path):
+    settings = load_settings(ROOT / "settings.toml", TINY + ["run.max_steps=1000", "rollout.devices=2"])
+    orch = Orchestrator(settings, out_dir=tmp_path / "run")
+    run = asyncio.create_task(orch.run())
+    while not (orch.step >= 1):
+        await asyncio.sleep(0.1)
+        assert not run.done()
+    os.kill(orch.rollout.workers[1].pid, signal.SIGKILL)
+    with pytest.raises(WorkerFailed, match="rollout 1 worker failed") as info:
+        await asyncio.wait_for(run, 30)
+    assert info.value.role == "rollout 1"
+    assert not any(alive(p) for p in pids(orch)) and not orch.store.root.exists()
+    summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
+    assert "rollout 1 worker failed" in summary["error"] and summary["steps"] >= 1
 
 
 async def test_crash_inside_a_worker_reaches_the_controller_with_its_traceback(tmp_path):

@@ -10,6 +10,7 @@ import re
 
 import orjson
 import pytest
+from test_controller import WORKERS, rollouts
 
 from areal_aio import wire
 from areal_aio.controller import Orchestrator
@@ -222,8 +223,9 @@ async def test_outcome_mode_samples_no_continuations(tmp_path):
     assert rewards == [0.25 + 0.25, 0.25 + 0.25 + 1.0]  # format + steps (+ 1 when correct); no gate
 
 
-async def test_continuations_live_through_weight_updates_keeping_their_versions(tmp_path):
-    rollout = Recording(tokens=4, slow_continuations_s=0.004)
+@pytest.mark.parametrize("workers", WORKERS)
+async def test_continuations_live_through_weight_updates_keeping_their_versions(tmp_path, workers):
+    _, rollout = rollouts(workers, lambda i: Recording(tokens=4, slow_continuations_s=0.004))
     settings = settings_for("process", "areal", **{"run.max_steps": 8})
     summary = await orchestrator(tmp_path, settings, rollout, FakeTrainer(step_delay_s=0.005)).run()
     assert summary["steps"] == 8
@@ -233,8 +235,9 @@ async def test_continuations_live_through_weight_updates_keeping_their_versions(
     assert summary["max_staleness_trained"] <= settings.eta
 
 
-async def test_a_run_stopped_mid_continuation_aborts_them_and_ends_cleanly(tmp_path):
-    rollout = Recording(tokens=4, slow_continuations_s=1000.0)  # continuations never finish
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_run_stopped_mid_continuation_aborts_them_and_ends_cleanly(tmp_path, workers):
+    fakes, rollout = rollouts(workers, lambda i: Recording(tokens=4, slow_continuations_s=1000.0))  # never finish
     orch = orchestrator(tmp_path, settings_for("process", "areal", **{"run.max_steps": 10}), rollout)
     run = asyncio.create_task(orch.run())
     while orch._process.requests == 0:
@@ -243,9 +246,11 @@ async def test_a_run_stopped_mid_continuation_aborts_them_and_ends_cleanly(tmp_p
     orch.stop()
     summary = await asyncio.wait_for(run, 10)
     assert summary["error"] is None and summary["steps"] == 0
-    sent = {m.request_id for m in rollout.sent if isinstance(m, wire.Generate) and m.prefix}
-    aborted = {m.request_id for m in rollout.sent if isinstance(m, wire.Abort)}
-    assert sent and sent <= aborted
+    for fake in fakes:  # each continuation aborted on the worker it runs on
+        sent = {m.request_id for m in fake.sent if isinstance(m, wire.Generate) and m.prefix}
+        aborted = {m.request_id for m in fake.sent if isinstance(m, wire.Abort)}
+        assert sent <= aborted
+    assert any(isinstance(m, wire.Generate) and m.prefix for f in fakes for m in f.sent)
     assert summary["continuation_tokens"] == 0 and summary["eval_curve"][-1]["step"] == 0
 
 

@@ -20,6 +20,7 @@ interrupt granularity.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import Any
@@ -42,6 +43,8 @@ class RolloutWorker:
         ro = s.rollout
         self.device = ro.device
         self.version = 0
+        self.rank = init.rank  # which of the run's rollout workers (in WeightsLoaded and the log)
+        self.served = 0  # requests answered (not aborted), reported at exit
         self.interrupt = ro.interrupt
         self.chunk_tokens = ro.chunk_tokens
         self.system_prompt = s.model.system_prompt
@@ -57,6 +60,7 @@ class RolloutWorker:
             msg = channel.poll() if engine.busy or self.pending else channel.recv(IDLE_WAIT_S)
             while msg is not None:
                 if msg is EOF or isinstance(msg, wire.Shutdown):
+                    print(f"[rollout {self.rank}] served {self.served} requests", file=sys.stderr, flush=True)
                     return
                 self._handle(msg, channel)
                 msg = channel.poll()
@@ -66,6 +70,7 @@ class RolloutWorker:
             while steps > 0 and engine.busy:
                 taken, finished = engine.advance(steps)
                 steps -= taken
+                self.served += sum(done.finish != "abort" for done in finished)
                 for done in finished:
                     channel.send(done)
 
@@ -92,9 +97,10 @@ class RolloutWorker:
         loaded, done = self.engine.update_weights(msg.version, msg.path)
         self.version = msg.version
         self.engine.admitting = True
-        print(f"[rollout] v{msg.version}: load {loaded.load_s:.2f}s, rebuilt {loaded.rebuilt} "
+        print(f"[rollout {self.rank}] v{msg.version}: load {loaded.load_s:.2f}s, rebuilt {loaded.rebuilt} "
               f"rows in {time.perf_counter() - t0 - loaded.load_s:.2f}s", file=sys.stderr, flush=True)
-        channel.send(loaded)
+        channel.send(dataclasses.replace(loaded, worker=self.rank))
+        self.served += len(done)
         for completion in done:
             channel.send(completion)
 
