@@ -27,6 +27,7 @@ The rollout role is one WorkerClient however many workers it has (placement.py: 
 worker, or a RolloutPool that sends each group whole to its least-loaded worker, every
 version to all of them, and merges their replies); nothing here assumes one rollout worker.
 Admission and staleness are global: one clock, one rule, whichever worker a group ran on.
+Each worker's requests, training tokens and idle fraction: the summary's rollout_workers_detail.
 
 Who blocks on whom: dispatch waits for the baseline eval (version 0, the
 rollout workers to themselves), then for capacity (version commits and drops
@@ -172,6 +173,10 @@ class Orchestrator:
         # the time none had work); how they share it is the pool's routing
         self._rollout_busy = Busy(lambda on: self.log.events.info("busy", worker="rollout", busy=on))
         self._trainer_busy = Busy(lambda on: self.log.events.info("busy", worker="trainer", busy=on))
+        # per rollout worker: its requests and tokens here, its busy time in the pool (one worker:
+        # the role's); counted afresh by a resumed run, whose rollout.devices may differ
+        self._shares: list[stats.WorkerShare] = []
+        self._rollout_busy_before = 0.0  # the role's busy seconds restored from a checkpoint
         # Train and Save requests, their replies, the step in flight: areal_aio.trainer_link
         self.link = TrainerLink(self.trainer, self._trainer_busy, self._commit)
         # checkpoints, resume, model/ and best/, the best eval: areal_aio.keeping
@@ -276,6 +281,7 @@ class Orchestrator:
                                 trainer_load_s=round(ready[1].load_s, 3),
                                 rollout_device=ready[0].device, trainer_device=ready[1].device,
                                 rollout_workers=len(rollouts), rollout_devices=[r.device for r in rollouts])
+        self._shares = [stats.WorkerShare(r.device) for r in rollouts]
         for worker, r in [*enumerate(rollouts), (0, ready[1])]:
             self.log.events.info("worker_ready", role=r.role, worker=worker, pid=r.pid,
                                  load_s=round(r.load_s, 3), device=r.device)
@@ -358,10 +364,12 @@ class Orchestrator:
             match msg:
                 case wire.Completion():
                     self._rollout_busy.down()
+                    share = self._shares[getattr(self.rollout, "source", 0)]  # a pool's: who answered
+                    share.requests += 1
                     if msg.request_id in self._eval_waiters:
                         self._eval_waiters.pop(msg.request_id).set_result(msg)
                     elif not self._process.deliver(msg):
-                        self._on_completion(msg)
+                        self._on_completion(msg, share)
                 case wire.WeightsLoaded():
                     self.log.events.info("weights_loaded", version=msg.version, worker=msg.worker,
                                          load_s=round(msg.load_s, 4), rebuilt=msg.rebuilt)
@@ -370,7 +378,7 @@ class Orchestrator:
                 case _:
                     raise self.rollout.failure(msg)
 
-    def _on_completion(self, msg: wire.Completion) -> None:
+    def _on_completion(self, msg: wire.Completion, share: stats.WorkerShare) -> None:
         sample = self._requests.pop(msg.request_id, None)
         if sample is None:
             return  # an abort answer for a sample already given up
@@ -382,6 +390,7 @@ class Orchestrator:
             return
         sample.completion = msg
         self.counts.completed(msg)
+        share.gen_tokens += len(msg.completion_ids)
         if self._scorer.inline and not self._process.enabled:
             self._scored(sample, group, self._scorer.score_inline(sample.task, msg.text))
         else:
@@ -578,6 +587,7 @@ class Orchestrator:
         self._time_to_threshold = state["time_to_threshold"]
         self._max_trained_staleness = state["max_trained_staleness"]
         self._rollout_busy.total, self._trainer_busy.total = state["busy"]["rollout"], state["busy"]["trainer"]
+        self._rollout_busy_before = self._rollout_busy.total
         self._redispatch = [(g["group"], Task(**g["task"])) for g in state["open_groups"]]
         self._process.restore(state.get("process"))
 
@@ -657,13 +667,19 @@ class Orchestrator:
     # ------------------------------------------------------------------ summary
 
     def _summarize(self, error: BaseException | None) -> dict:
+        pool = getattr(self.rollout, "busy", None)  # a RolloutPool's: one Busy per worker
+        busy = ([b.seconds() for b in pool] if pool is not None
+                else [self._rollout_busy.seconds() - self._rollout_busy_before])
+        wall = time.perf_counter() - self._t0 if self._t0 else 0.0  # after `busy`: never below it
+        detail = stats.worker_rows(self._shares, busy, wall - self._spent) if self._shares else []
         return stats.summarize(
-            self.settings, self.counts, wall=time.perf_counter() - self._t0 if self._t0 else 0.0,
+            self.settings, self.counts, wall=wall,
             steps=self.step, version=self.version, cold_start=self._cold_start,
             max_trained_staleness=self._max_trained_staleness, resumes=self.keeper.resumes, best=self.keeper.best,
             eval_curve=self.eval_curve, time_to_threshold=self._time_to_threshold,
             process=self._process.stats(self.counts.gen_tokens), rollout_busy_s=self._rollout_busy.seconds(),
-            trainer_busy_s=self._trainer_busy.seconds(), lag_max_s=self._lag_max, folder=str(self.folder),
+            trainer_busy_s=self._trainer_busy.seconds(), rollout_workers_detail=detail,
+            lag_max_s=self._lag_max, folder=str(self.folder),
             error=error)
 
 

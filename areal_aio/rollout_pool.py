@@ -12,6 +12,8 @@ Admission and staleness stay in the controller: the pool only decides where a re
 The death of any worker (Error, end of stream, or a send that fails) is handed on as it is
 and named by `failure` ("rollout 1"); the controller then stops the run and `stop` stops them
 all. Worker i gets Init rank i, world N and its own device in settings' rollout.device.
+Per worker, the pool keeps the time it had a request out (`busy`, for its idle fraction) and
+says which worker sent what `recv` returned last (`source`): the controller's per-worker counts.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from areal_aio import wire
 from areal_aio.client import WorkerClient, WorkerFailed
+from areal_aio.stats import Busy
 
 
 class RolloutPool:
@@ -37,6 +40,7 @@ class RolloutPool:
         self.devices = list(devices) if devices is not None else None
         self.readies: list[wire.Ready] = []  # per worker, once started (the controller logs each)
         self._load = [0] * len(self.workers)  # requests outstanding per worker
+        self.busy = [Busy() for _ in self.workers]  # up while its load is above 0
         self._owner: dict[str, int] = {}  # request id -> the worker it runs on
         self._inbox: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._readers: list[asyncio.Task] = []
@@ -87,6 +91,7 @@ class RolloutPool:
                         target = min(range(len(self.workers)), key=self._load.__getitem__)
                     self._owner[rid] = target
                     self._load[target] += 1
+                    self.busy[target].up()
                     shares.setdefault(target, []).append(msg)
                 case wire.Abort(request_id=rid):
                     if (owner := self._owner.get(rid)) is not None:
@@ -111,6 +116,7 @@ class RolloutPool:
                 return
             if isinstance(msg, wire.Completion) and self._owner.pop(msg.request_id, None) is not None:
                 self._load[i] -= 1
+                self.busy[i].down()
             await self._inbox.put((i, msg))
             if msg is None or isinstance(msg, wire.Error):
                 return
@@ -121,6 +127,11 @@ class RolloutPool:
         if isinstance(msg, Exception):
             raise msg
         return msg
+
+    @property
+    def source(self) -> int:
+        """The index of the worker whose message `recv` returned last."""
+        return self._source
 
     def failure(self, msg: Any) -> WorkerFailed:
         """The failure of the worker whose message `recv` returned last, named by its index."""

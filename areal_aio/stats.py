@@ -10,6 +10,7 @@ changes it and every row one place that builds it:
     Counts.dropped     rollouts given up (stale/interrupt) dropped_stale, dropped_interrupt
     Counts.trained     a batch committed                  accepted, trained_tokens, staleness_hist
     (admitted, restarts, eval_tokens, lost_in_flight: one line each where they happen)
+    WorkerShare        one rollout worker's part: its requests and training tokens
 """
 
 from __future__ import annotations
@@ -77,6 +78,24 @@ class Counts:
         return cls(**counts, staleness_hist=Counter({int(k): v for k, v in hist.items()}))
 
 
+@dataclass(slots=True)
+class WorkerShare:
+    """One rollout worker's part of the run (the summary's rollout_workers_detail)."""
+
+    device: str
+    requests: int = 0  # Completions it returned: training, eval, continuations, aborted
+    gen_tokens: int = 0  # its training rollouts' tokens: the workers' sum is Counts.gen_tokens
+
+
+def worker_rows(shares: Sequence[WorkerShare], busy_s: Sequence[float], wall: float) -> list[dict[str, Any]]:
+    """rollout_workers_detail: per worker, its share and its idle fraction over `wall` (the
+    time it had no request out, however busy the others were). A resumed run counts them
+    afresh, over its own wall: its rollout.devices may differ from the checkpoint's."""
+    return [{"worker": i, "device": w.device, "requests": w.requests, "gen_tokens": w.gen_tokens,
+             "idle_frac": 1 - b / wall if wall else None}
+            for i, (w, b) in enumerate(zip(shares, busy_s, strict=True))]
+
+
 class Busy:
     """Integrates the time a worker has work in hand (for idle fractions); `on_change(busy)` is
     called when it starts or stops having work (the `busy` events a report's timeline draws)."""
@@ -140,9 +159,10 @@ def step_row(step: int, version: int, wall: float, train_s: float, wait_s: float
 def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, cold_start: dict,
               max_trained_staleness: int, resumes: list[dict], best: dict, eval_curve: list[dict],
               time_to_threshold: float | None, process: dict, rollout_busy_s: float,
-              trainer_busy_s: float, lag_max_s: float, folder: str,
-              error: BaseException | None) -> dict[str, Any]:
-    """summary.json: the run's settings that matter, its counts, rates and eval curve."""
+              trainer_busy_s: float, rollout_workers_detail: list[dict[str, Any]], lag_max_s: float,
+              folder: str, error: BaseException | None) -> dict[str, Any]:
+    """summary.json: the run's settings that matter, its counts, rates and eval curve;
+    `rollout_workers_detail`: worker_rows."""
     unused = c.admitted - c.accepted - c.dropped_stale - c.dropped_interrupt
     return {
         "mode": s.run.mode, "max_staleness": num(s.eta), "objective": s.trainer.objective,
@@ -164,6 +184,7 @@ def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, 
         "train_tokens_per_s": c.trained_tokens / wall if wall else 0.0,
         "rollout_idle_frac": 1 - rollout_busy_s / wall if wall else None,
         "trainer_idle_frac": 1 - trainer_busy_s / wall if wall else None,
+        "rollout_workers_detail": rollout_workers_detail,
         "loop_lag_max_ms": round(1000 * lag_max_s, 2),
         "folder": folder,
         "error": None if error is None else (str(error) or type(error).__name__),

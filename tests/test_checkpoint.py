@@ -65,6 +65,8 @@ async def test_resume_continues_steps_rows_curve_and_tasks_without_duplicates(tm
                                    "lost_in_flight": summary["lost_in_flight"],
                                    "wall_s": summary["resumes"][0]["wall_s"]}]
     assert "resumed" in [r.get("event") for r in rows(folder, "events")]
+    [share] = summary["rollout_workers_detail"]  # counted afresh: this process's steps 3 to 8
+    assert 0 < share["gen_tokens"] < summary["gen_tokens"] and 0 <= share["idle_frac"] <= 1
 
 
 async def test_resume_redispatches_groups_admitted_but_not_trained(tmp_path):

@@ -100,6 +100,21 @@ async def test_single_requests_spread_across_the_workers():
         await pool.stop()
 
 
+async def test_a_worker_is_busy_while_it_holds_a_request_and_recv_says_which_worker_sent():
+    fakes, pool = await started(2, **SLOW)
+    try:
+        await pool.send_many(generates("g0", 2))  # worker 0
+        assert [b.active for b in pool.busy] == [2, 0] and pool.busy[1].seconds() == 0.0
+        await pool.send_many(generates("g1", 1))  # worker 1
+        await pool.send(wire.Abort("g1.0"))
+        assert (await asyncio.wait_for(pool.recv(), 1)).request_id == "g1.0" and pool.source == 1
+        await pool.send(wire.Abort("g0.1"))
+        assert (await asyncio.wait_for(pool.recv(), 1)).request_id == "g0.1" and pool.source == 0
+        assert [b.active for b in pool.busy] == [1, 0] and pool.busy[1].total > 0.0
+    finally:
+        await pool.stop()
+
+
 async def test_an_abort_reaches_only_the_worker_holding_it_and_an_unknown_one_none():
     fakes, pool = await started(2, **SLOW)
     try:
@@ -184,6 +199,26 @@ async def test_a_run_on_two_workers_uses_both_loads_every_version_on_each_and_lo
     assert sorted(ready) == [("rollout", 0), ("rollout", 1), ("trainer", 0)]
     loads = {(e["version"], e["worker"]) for e in rows if e["event"] == "weights_loaded"}
     assert loads == {(v, w) for v in range(1, 7) for w in (0, 1)}
+
+
+async def test_the_summary_gives_each_worker_its_requests_tokens_and_idle_fraction(tmp_path):
+    fakes, pool = rollouts(2, lambda i: Recording(tokens=3 + 2 * i, token_delay_s=0.002))
+    summary = await orchestrator(tmp_path, make_settings(), rollout=pool).run()
+    detail = summary["rollout_workers_detail"]
+    assert [(d["worker"], d["device"]) for d in detail] == [(0, "fake"), (1, "fake")]
+    assert sum(d["gen_tokens"] for d in detail) == summary["gen_tokens"]
+    for d, f, tokens in zip(detail, fakes, (3, 5), strict=True):  # each reply has its worker's length
+        sent = sum(isinstance(m, wire.Generate) for m in f.sent)
+        assert d["gen_tokens"] > 0 and d["gen_tokens"] % tokens == 0
+        assert d["gen_tokens"] // tokens < d["requests"] <= sent  # evals count as requests, not tokens
+        assert summary["rollout_idle_frac"] <= d["idle_frac"] <= 1  # the role is busy when either is
+
+
+async def test_one_worker_is_one_entry_of_the_detail(tmp_path):
+    summary = await orchestrator(tmp_path, make_settings(), rollout=Recording(tokens=3)).run()
+    [d] = summary["rollout_workers_detail"]
+    assert d["gen_tokens"] == summary["gen_tokens"] and d["requests"] > summary["samples_generated"]
+    assert 0 <= d["idle_frac"] - summary["rollout_idle_frac"] < 0.01
 
 
 async def test_evals_spread_across_the_workers(tmp_path):

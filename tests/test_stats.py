@@ -3,7 +3,16 @@ import math
 from areal_aio import wire
 from areal_aio.rewards import Score
 from areal_aio.settings import Settings
-from areal_aio.stats import Busy, Counts, num, sample_row, step_row, summarize
+from areal_aio.stats import (
+    Busy,
+    Counts,
+    WorkerShare,
+    num,
+    sample_row,
+    step_row,
+    summarize,
+    worker_rows,
+)
 from areal_aio.tasks import Task
 
 
@@ -46,9 +55,14 @@ def test_rows_and_summary_read_the_counts():
     assert dropped["reply"] is None and dropped["tokens"] == 0 and dropped["dropped"] == "interrupt"
     summary = summarize(s, c, wall=2.0, steps=1, version=2, cold_start={}, max_trained_staleness=1,
                         resumes=[], best={"version": None}, eval_curve=[], time_to_threshold=None,
-                        process={}, rollout_busy_s=1.0, trainer_busy_s=0.5, lag_max_s=0.0,
-                        folder="f", error=None)
+                        process={}, rollout_busy_s=1.0, trainer_busy_s=0.5,
+                        rollout_workers_detail=worker_rows([WorkerShare("cuda:0", 3, 4), WorkerShare("cuda:1")],
+                                                           [1.5, 0.0], 2.0),
+                        lag_max_s=0.0, folder="f", error=None)
     assert summary["samples_unused"] == 2 and summary["rollout_idle_frac"] == 0.5
+    assert summary["rollout_workers_detail"] == [
+        {"worker": 0, "device": "cuda:0", "requests": 3, "gen_tokens": 4, "idle_frac": 0.25},
+        {"worker": 1, "device": "cuda:1", "requests": 0, "gen_tokens": 0, "idle_frac": 1.0}]
     assert summary["best_eval"] is None and summary["error"] is None
     assert num(math.inf) is None and num(2.0) == 2
 
