@@ -15,8 +15,9 @@ the run. Checked:
                      a hub id (name or org/name) is in the local HF cache, or else the hub
                      answers within HUB_PROBE_TIMEOUT_S (never with HF_HUB_OFFLINE set);
                      a name that is both an existing folder and hub-shaped is the folder
-    *.device         cuda or cuda:N: torch in a subprocess (this process never imports
-                     torch) sees that device
+    *.device(s)      cuda or cuda:N, in rollout.device, trainer.device and each entry of
+                     rollout.devices and trainer.devices: torch in a subprocess (this
+                     process never imports torch) sees that device
 
 Numbers (finite, in range) are checked earlier, by settings validation.
 """
@@ -170,26 +171,39 @@ def check_hub_model(repo: str) -> None:
 
 
 def check_devices(settings: Settings) -> None:
-    """cuda devices exist; probed in a subprocess only when one is asked for."""
-    wanted = [(key, dev) for key, dev in (("rollout.device", settings.rollout.device),
-                                          ("trainer.device", settings.trainer.device))
-              if dev.startswith("cuda")]
+    """Every cuda device asked for (each worker's entry of rollout.devices and trainer.devices,
+    or rollout.device and trainer.device) exists; probed in a subprocess only when one is."""
+    wanted = [(key, dev) for role, section in (("rollout", settings.rollout), ("trainer", settings.trainer))
+              for key, dev in _device_keys(role, section.devices, section.device) if dev.startswith("cuda")]
     if not wanted:
         return
+    count, torch = cuda_devices(*wanted[0])
+    for key, dev in wanted:
+        if int(dev.partition(":")[2] or 0) >= count:
+            raise PreflightError(f"{key}: {dev!r} asked for, but {torch} sees {count} CUDA "
+                                 f"device{'' if count == 1 else 's'}")
+
+
+def _device_keys(role: str, devices: list[str], device: str) -> list[tuple[str, str]]:
+    """(settings key, device) per worker of `role`: role.devices[i], or role.device alone."""
+    if not devices:
+        return [(f"{role}.device", device)]
+    return [(f"{role}.devices[{i}]", dev) for i, dev in enumerate(devices)]
+
+
+def cuda_devices(key: str, dev: str) -> tuple[int, str]:
+    """(how many CUDA devices torch sees, which torch that is), from torch in a fresh interpreter;
+    a probe that fails is a PreflightError naming `key`, the first cuda device asked for."""
     try:
         done = subprocess.run([sys.executable, "-c", CUDA_PROBE], capture_output=True, text=True,
                               timeout=CUDA_PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        raise PreflightError(f"{wanted[0][0]}: importing torch to look for CUDA took over "
+        raise PreflightError(f"{key}: importing torch to look for CUDA took over "
                              f"{CUDA_PROBE_TIMEOUT_S:.0f}s") from None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise PreflightError(f"{wanted[0][0]}: {wanted[0][1]!r} asked for, but torch cannot be "
+        raise PreflightError(f"{key}: {dev!r} asked for, but torch cannot be "
                              f"imported to look for CUDA ({last})")
     count, version, cuda = done.stdout.split()
-    for key, dev in wanted:
-        index = int(dev.partition(":")[2] or 0)
-        if index >= int(count):
-            built = f"built for CUDA {cuda}" if cuda != "None" else "built without CUDA"
-            seen = f"{count} CUDA device{'s' if count != '1' else ''}"
-            raise PreflightError(f"{key}: {dev!r} asked for, but torch {version} ({built}) sees {seen}")
+    built = f"built for CUDA {cuda}" if cuda != "None" else "built without CUDA"
+    return int(count), f"torch {version} ({built})"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_aio import preflight
 from areal_aio.cli import main, one_line, write_error_log
 from areal_aio.client import WorkerFailed
 from areal_aio.preflight import PreflightError, check_devices, check_model
@@ -114,6 +115,29 @@ def test_cuda_asked_for_where_torch_sees_none():
     with pytest.raises(PreflightError, match=r"trainer.device: 'cuda:0' asked for, but torch .* sees 0 CUDA devices"):
         check_devices(build_settings({}, ["trainer.device=cuda:0"]))
     check_devices(build_settings({}))  # cpu: no probe, no error
+
+
+@pytest.mark.parametrize(("sets", "error"), [
+    (["rollout.devices=['cuda:0', 'cuda:3']"], r"rollout.devices\[1\]: 'cuda:3' asked for"),
+    (["trainer.devices=['cuda:1', 'cuda']", "rollout.device=cuda:2"], r"rollout.device: 'cuda:2' asked for"),
+    (["trainer.devices=['cuda:1', 'cuda', 'cuda:2']"], r"trainer.devices\[2\]: 'cuda:2' asked for"),
+    (["rollout.devices=['cuda:1', 'cuda:0']", "trainer.devices=['cuda:1', 'cuda:0']"], None),
+    (["rollout.devices=3", "trainer.device=cuda:1"], None),
+])
+def test_each_worker_device_is_checked_naming_its_entry(monkeypatch, sets, error):
+    """A probe that sees two devices: every entry of rollout.devices and trainer.devices is held
+    to it, named by its index."""
+    probed = []
+    monkeypatch.setattr(preflight, "cuda_devices", lambda *first: probed.append(first) or (2, "torch 9 (fake)"))
+    settings = build_settings({}, sets)
+    if error is None:
+        check_devices(settings)
+    else:
+        with pytest.raises(PreflightError, match=error + r", but torch 9 \(fake\) sees 2 CUDA devices$"):
+            check_devices(settings)
+    assert len(probed) == 1  # one probe for all of them
+    check_devices(build_settings({}, ["rollout.devices=2", "trainer.devices=['cpu']"]))
+    assert len(probed) == 1  # none asked for: no probe
 
 
 def test_a_failed_run_is_one_line_and_its_traceback_goes_to_the_folder(tmp_path):
