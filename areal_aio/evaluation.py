@@ -6,8 +6,9 @@
       -> pass rate, strict rate (tagged and correct), mean reward
 
 Inside a run the controller sends the requests and routes the answers (its rollout reader
-owns the pipe); `evaluate_model` starts a rollout worker of its own, so any HF folder, embedded
-spec or run folder is scored exactly as the run scored its versions.
+owns the pipe); `evaluate_model` starts a rollout worker of its own (one per rollout.devices
+entry, as a run would), so any HF folder, embedded spec or run folder is scored exactly as the
+run scored its versions.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any
 import orjson
 
 from areal_aio import wire
+from areal_aio.client import PipeWorker, WorkerClient
 from areal_aio.rewards import AnswerReward, Score, Scorer, component_means, load_rewards
+from areal_aio.rollout_pool import RolloutPool
 from areal_aio.settings import Settings, load_settings, resolved_settings
 from areal_aio.tasks import Task, eval_tasks
 
@@ -79,16 +82,26 @@ def _quoted(text: str) -> str:
     return orjson.dumps(text).decode()
 
 
-async def greedy_completions(settings: Settings, tasks: list[Task], log: Path) -> list[wire.Completion]:
-    """settings.model.path's greedy replies to `tasks` (the eval requests), from a rollout
-    worker of its own (its log: `log`), in the order of `tasks`."""
-    from areal_aio.client import PipeWorker, ensure_model
+def eval_rollout(settings: Settings, log: Path) -> WorkerClient:
+    """The eval's own rollout client, placed as a run places its rollout workers: one worker
+    (its log: `log`), or a RolloutPool of one per rollout.devices entry (eval-rollout-0.log ...)."""
+    devices, threads = settings.rollout_devices, settings.rollout.threads
+    if devices == [settings.rollout.device]:
+        return PipeWorker("rollout", log, threads)
+    logs = [log] if len(devices) == 1 else [log.with_name(f"{log.stem}-{i}{log.suffix}") for i in range(len(devices))]
+    return RolloutPool([PipeWorker("rollout", path, threads) for path in logs], devices)
 
-    worker = PipeWorker("rollout", log, settings.rollout.threads)
+
+async def greedy_completions(settings: Settings, tasks: list[Task], log: Path,
+                             rollout: WorkerClient | None = None) -> list[wire.Completion]:
+    """settings.model.path's greedy replies to `tasks` (the eval requests), from a rollout
+    client of its own (default: eval_rollout's, logging to `log`), in the order of `tasks`."""
+    worker = rollout or eval_rollout(settings, log)
     try:
-        await ensure_model(settings.model.path)
+        await worker.prepare(settings.model.path)
         await worker.start(wire.Init("rollout", settings.to_dict(), ""))
-        await worker.send_many(requests(tasks, 0, settings))
+        for msg in requests(tasks, 0, settings):  # one by one: a pool spreads them over its workers
+            await worker.send(msg)
         answers: dict[str, wire.Completion] = {}
         while len(answers) < len(tasks):
             msg = await worker.recv()
