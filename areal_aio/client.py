@@ -40,6 +40,7 @@ class WorkerFailed(RuntimeError):
     def __init__(self, role: str, message: str, traceback: str = "") -> None:
         super().__init__(f"{role} worker failed: {message}" + (f"\n{traceback}" if traceback else ""))
         self.role = role
+        self.message = message
         self.traceback = traceback
 
 
