@@ -15,6 +15,7 @@ from pathlib import Path
 from areal_aio.client import PipeWorker, WorkerClient
 from areal_aio.rollout_pool import RolloutPool
 from areal_aio.settings import Settings
+from areal_aio.trainer_ranks import TrainerRanks
 
 
 def worker(role: str, index: int, count: int, settings: Settings, folder: Path) -> WorkerClient:
@@ -36,5 +37,10 @@ def rollout_client(settings: Settings, folder: Path) -> WorkerClient:
 
 
 def trainer_client(settings: Settings, folder: Path) -> WorkerClient:
-    """The trainer role's client."""
-    return worker("trainer", 0, 1, settings, folder)
+    """The trainer role's client: one worker, or the ranks of a data-parallel trainer
+    (areal_aio.trainer_ranks) with trainer.devices of several entries."""
+    devices = settings.trainer_devices
+    if len(devices) == 1:
+        return worker("trainer", 0, 1, settings, folder)
+    return TrainerRanks([worker("trainer", i, len(devices), settings, folder) for i in range(len(devices))],
+                        devices)

@@ -245,7 +245,8 @@ def check(settings: Settings, folder: Path, out: str | None) -> None:
 
 async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:
     """The whole tuning (module docstring); returns what sft.json holds."""
-    from areal_aio.client import PipeWorker, ensure_model
+    from areal_aio import placement
+    from areal_aio.client import ensure_model
     from areal_aio.weight_store import WeightStore
 
     t0 = time.perf_counter()
@@ -269,7 +270,7 @@ async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:
         stages["before_plain"] = plain
     trainer_settings = dataclasses.replace(settings, trainer=dataclasses.replace(
         settings.trainer, lr=cfg.lr, minibatches=1, kl_coef=0.0))
-    trainer = PipeWorker("trainer", folder / "trainer.log", settings.trainer.threads)
+    trainer = placement.trainer_client(trainer_settings, folder)
     store = WeightStore.create(f"sft-{folder.name}")
     rows: list[dict[str, Any]] = []
 

@@ -13,6 +13,11 @@
       v  publish v<version+1> in the rollout dtype, version += 1
     Trained(step, version + 1, path, stats)
 
+With several ranks (trainer.devices; workers/data_parallel.py) every rank plans the whole
+batch, forwards its share of each mini-batch's micro-batches, and the gradients are summed
+before the clip; the stats are of the whole batch (summed, min and max over the ranks);
+rank 0 publishes, the others answer Trained with path "".
+
 Run as `python -m areal_aio.workers.trainer` (workers.common.serve speaks the pipe), or
 use `Trainer` in-process (tests, benchmarks).
 
@@ -64,6 +69,7 @@ from areal_aio.settings import SFT, Settings, TrainerSettings
 from areal_aio.weight_store import WeightStore
 from areal_aio.workers import checkpoint, losses
 from areal_aio.workers.common import EOF, Channel, configure_torch, serve
+from areal_aio.workers.data_parallel import Ranks
 from areal_aio.workers.microbatch import (
     PACKED_ATTENTION,
     MicroBatch,
@@ -143,9 +149,10 @@ class Trainer:
     """The trainable policy, its optimizer and the weight store; one `train` call per update."""
 
     def __init__(self, settings: Settings | dict[str, Any], shm_dir: str | Path,
-                 model: Any = None, tokenizer: Any = None) -> None:
+                 model: Any = None, tokenizer: Any = None, ranks: Ranks | None = None) -> None:
         """`settings`: the run's Settings (or its to_dict(), as Init carries it); pass
-        `model`/`tokenizer` to skip loading (tests)."""
+        `model`/`tokenizer` to skip loading (tests); `ranks`: this process's place among
+        the trainer's ranks (default: the only one)."""
         if isinstance(settings, dict):
             settings = Settings.from_dict(settings)
         self.cfg: TrainerSettings = settings.trainer
@@ -162,6 +169,8 @@ class Trainer:
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.pad_id = int(pad) if pad is not None else 0
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.ranks = ranks or Ranks()
+        self.ranks.broadcast(self.params)  # one set of weights, whatever each rank loaded
         self.opt = _adamw(self.params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.ref = None
         if self.cfg.kl_coef > 0 and self.cfg.kl_ref == "ref":
@@ -291,6 +300,7 @@ class Trainer:
         plan: list[list[MicroBatch]] = []
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             plan.append(self._micro_batches(samples, lo, hi, adv))
+        mine = [self.ranks.share(mini) for mini in plan]  # every rank holds the whole plan
 
         # pi_prox is this version's policy. The first mini-batch trains on exactly these
         # weights, so its own forward is pi_prox (detached: ratio 1; skipping the second
@@ -299,7 +309,7 @@ class Trainer:
         t_prox = time.perf_counter()
         prox: dict[int, torch.Tensor] = {}  # id(micro-batch) -> [T]
         ref: dict[int, torch.Tensor] = {}
-        for k, mini in enumerate(plan):
+        for k, mini in enumerate(mine):
             for mb in mini:
                 if sft:
                     continue  # no ratio, no KL
@@ -310,13 +320,13 @@ class Trainer:
         prox_s = time.perf_counter() - t_prox
 
         stats = _Stats(self.device)
-        for k, mini in enumerate(plan):
-            total = sum(mb.tokens for mb in mini)
+        for k, (mini, own) in enumerate(zip(plan, mine, strict=True)):
+            total = sum(mb.tokens for mb in mini)  # of all ranks: the normalisation of one rank
             if total == 0:
                 continue
             self.opt.zero_grad(set_to_none=True)
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            for mb in mini:
+            for mb in own:
                 if mb.tokens == 0:
                     continue
                 with self._autocast():
@@ -337,6 +347,7 @@ class Trainer:
                 loss_sum = loss_sum + loss.detach().double()
                 stats.add(st, entropy, kl)
                 del logp, entropy, tok_loss, loss
+            self.ranks.all_reduce_grads(self.params)  # summed, not averaged: see data_parallel
             max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
             self.opt.step()
@@ -345,11 +356,12 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
 
         t_pub = time.perf_counter()
-        path = self.store.publish(self.model, self.version + 1, dtype=self.publish_dtype) if msg.publish else ""
+        publish = msg.publish and self.ranks.rank == 0
+        path = self.store.publish(self.model, self.version + 1, dtype=self.publish_dtype) if publish else ""
         publish_s = time.perf_counter() - t_pub
         self.version += 1
 
-        out = self._summary(samples, plan, prox, stats, adv, rewards, objective)
+        out = self._summary(samples, mine, prox, stats, adv, rewards, objective)
         out.update(seconds=time.perf_counter() - t0, prox_s=prox_s, publish_s=publish_s)
         if cfg.kl_coef <= 0 or sft:
             out.pop("kl")
@@ -357,52 +369,54 @@ class Trainer:
             out = {key: out[key] for key in SFT_STATS}
         return wire.Trained(step=msg.step, version=self.version, path=str(path), stats=out)
 
-    def _summary(self, samples: list[wire.TrainSample], plan: list[list[MicroBatch]],
+    def _summary(self, samples: list[wire.TrainSample], mine: list[list[MicroBatch]],
                  prox: dict[int, torch.Tensor], stats: _Stats, adv: torch.Tensor,
                  rewards: torch.Tensor, objective: str) -> dict[str, Any]:
-        """Plain-number stats of one update (orjson-ready), read off the device in one go."""
+        """Plain-number stats of one update (orjson-ready): this rank's sums, minima and maxima
+        (`mine`: its micro-batches), totalled over the ranks and read off the device in one go."""
         cfg = self.cfg
-        mbs = [mb for mini in plan for mb in mini if mb.tokens]
+        mbs = [mb for mini in mine for mb in mini if mb.tokens]
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
         if mbs:
             behav = torch.cat([mb.behav for mb in mbs]).double()
             prox_all = torch.cat([prox[id(mb)] for mb in mbs]).double()
         else:
-            behav = prox_all = torch.zeros(0, dtype=torch.float64, device=self.device)
+            behav = prox_all = zero.new_zeros(0)
         # tokens sampled by the weights prox was computed with, in the order of behav / prox
         versions = [v for mb in mbs for i in mb.index for v in samples[i].versions]
         own = [k for k, v in enumerate(versions) if v == self.version - 1]
         w = torch.exp(prox_all - behav)
         capped = (w > cfg.behav_cap) if objective == "decoupled_ppo" else torch.zeros_like(w, dtype=torch.bool)
         r = (prox_all - behav).index_select(0, torch.tensor(own, dtype=torch.long, device=behav.device))
-        on_device = {"entropy": stats.entropy, "clipped": stats.clipped, "ratio_sum": stats.ratio_sum,
-                     "ratio_min": stats.ratio_min, "ratio_max": stats.ratio_max, "kl": stats.kl}
-        if w.numel():
-            on_device.update(behav_w_min=w.min(), behav_w_mean=w.mean(), behav_w_max=w.max(),
-                             capped_frac=capped.double().mean())
-        if r.numel():
-            on_device["mismatch_kl"] = (torch.expm1(r) - r).mean()
-        values = torch.stack([*on_device.values(), *stats.loss, *stats.grad_norm]).tolist()
-        k, m = len(on_device), len(stats.loss)
-        got = dict(zip(on_device, values[:k], strict=True))
-        loss, grad_norm = values[k:k + m], values[k + m:]
-        n = stats.tokens
+        empty = not w.numel()
+        sums = {"tokens": zero + stats.tokens, "computed": zero + sum(mb.computed for mb in mbs),
+                "entropy": stats.entropy, "clipped": stats.clipped, "ratio_sum": stats.ratio_sum,
+                "kl": stats.kl, "w_n": zero + w.numel(), "w_sum": w.sum(), "capped": capped.double().sum(),
+                "r_n": zero + r.numel(), "mismatch": (torch.expm1(r) - r).sum(),
+                **{f"loss{k}": v for k, v in enumerate(stats.loss)}}
+        mins = {"ratio_min": stats.ratio_min, "w_min": zero + math.inf if empty else w.min()}
+        maxs = {"ratio_max": stats.ratio_max, "w_max": zero - math.inf if empty else w.max(),
+                # the same on every rank (the norm of the summed gradients): max keeps it
+                **{f"grad_norm{k}": v for k, v in enumerate(stats.grad_norm)}}
+        got = self.ranks.totals(sums, mins, maxs)
+        n, w_n = int(got["tokens"]), got["w_n"]
         return {
-            "loss": _mean(loss),
+            "loss": _mean([got[f"loss{k}"] for k in range(len(stats.loss))]),
             "entropy": got["entropy"] / n if n else 0.0,
             "clip_frac": got["clipped"] / n if n else 0.0,
             "ratio_min": got["ratio_min"] if n else 1.0,
             "ratio_mean": got["ratio_sum"] / n if n else 1.0,
             "ratio_max": got["ratio_max"] if n else 1.0,
-            "behav_w_min": got.get("behav_w_min", 1.0),
-            "behav_w_mean": got.get("behav_w_mean", 1.0),
-            "behav_w_max": got.get("behav_w_max", 1.0),
-            "capped_frac": got.get("capped_frac", 0.0),
-            "grad_norm": _mean(grad_norm),
+            "behav_w_min": got["w_min"] if w_n else 1.0,
+            "behav_w_mean": got["w_sum"] / w_n if w_n else 1.0,
+            "behav_w_max": got["w_max"] if w_n else 1.0,
+            "capped_frac": got["capped"] / w_n if w_n else 0.0,
+            "grad_norm": _mean([got[f"grad_norm{k}"] for k in range(len(stats.grad_norm))]),
             "kl": got["kl"] / n if n else 0.0,
-            "tokens": int(n),
-            "computed_tokens": sum(mb.computed for mb in mbs),
+            "tokens": n,
+            "computed_tokens": int(got["computed"]),
             "seqs": len(samples),
-            "mismatch_kl": got.get("mismatch_kl"),
+            "mismatch_kl": got["mismatch"] / got["r_n"] if got["r_n"] else None,
             "reward_mean": float(rewards.mean()),
             "adv_abs_mean": float(adv.abs().mean()),
         }
@@ -413,9 +427,12 @@ class Trainer:
         """Export the policy or write the checkpoint part, between two updates."""
         return checkpoint.save(self, msg)
 
-    def resume(self, folder: str | Path) -> Path:
-        """Continue from a checkpoint's trainer part; publish its weights for the rollout worker."""
+    def resume(self, folder: str | Path) -> Path | None:
+        """Continue from a checkpoint's trainer part (every rank); rank 0 publishes its weights
+        for the rollout worker (the path; None on the other ranks)."""
         checkpoint.load_state(self, Path(folder))
+        if self.ranks.rank != 0:
+            return None
         return self.store.publish(self.model, self.version, dtype=self.publish_dtype)
 
     # ---- process loop --------------------------------------------------------------------
@@ -430,6 +447,7 @@ class Trainer:
                 case wire.Save():
                     channel.send(self.save(msg))
                 case wire.Shutdown():
+                    self.ranks.close()
                     return
                 case _ if msg is EOF:
                     return
@@ -442,7 +460,7 @@ def build(init: wire.Init) -> Trainer:
     settings = Settings.from_dict(init.settings)
     configure_torch(settings.trainer.device, settings.trainer.threads)
     torch.manual_seed(settings.run.seed)
-    trainer = Trainer(settings, init.shm_dir)
+    trainer = Trainer(settings, init.shm_dir, ranks=Ranks.join(init, settings.trainer.device))
     if init.resume:
         trainer.resume(init.resume)
     return trainer
