@@ -38,9 +38,10 @@ def rollout_client(settings: Settings, folder: Path) -> WorkerClient:
 
 def trainer_client(settings: Settings, folder: Path) -> WorkerClient:
     """The trainer role's client: one worker, or the ranks of a data-parallel trainer
-    (areal_aio.trainer_ranks) with trainer.devices of several entries."""
+    (areal_aio.trainer_ranks) with trainer.devices (one entry too: each rank is told its
+    device in its Init)."""
     devices = settings.trainer_devices
-    if len(devices) == 1:
+    if devices == [settings.trainer.device]:
         return worker("trainer", 0, 1, settings, folder)
     return TrainerRanks([worker("trainer", i, len(devices), settings, folder) for i in range(len(devices))],
                         devices)
