@@ -3,8 +3,9 @@
     rollout.devices = [d0, d1, ...]  ->  one rollout worker per entry
     trainer.devices = [d0, d1, ...]  ->  one trainer rank per entry
 
-A role with one worker is that worker's client (PipeWorker: a local subprocess). The
-controller never sees how many workers a role has: it holds one WorkerClient per role.
+A role with one worker is that worker's client: PipeWorker (a local subprocess), or with
+ray.address set RayWorker (the same subprocess inside a Ray actor, areal_aio/ray_workers.py). The
+controller never sees how many workers a role has, nor where: it holds one WorkerClient per role.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ def worker(role: str, index: int, count: int, settings: Settings, folder: Path) 
     folder (rollout.log, or rollout-1.log ... with several)."""
     threads = settings.rollout.threads if role == "rollout" else settings.trainer.threads
     log = folder / (f"{role}.log" if count == 1 else f"{role}-{index}.log")
+    if settings.ray.address:
+        from areal_aio.ray_workers import RayWorker  # ray is an optional extra
+
+        return RayWorker(role, index, settings, log)
     return PipeWorker(role, log, threads)
 
 
