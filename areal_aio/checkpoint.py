@@ -41,9 +41,10 @@ RESUMABLE = ("run.max_steps", "run.max_wall_s", "run.threshold", "run.progress",
              "run.checkpoint_every", "run.keep_checkpoints", "run.keep_best", "task.eval_every",
              "rollout.device", "rollout.devices", "rollout.threads", "rollout.max_batch", "trainer.device",
              "trainer.devices",
-             "trainer.threads", "controller.reward_procs")
+             "trainer.threads", "controller.reward_procs", "ray.address", "ray.ship_weights")
 """Keys a resume may change: when and where to stop, save, report and evaluate, and on which
-devices and cores. Every other key changes what is trained (data, model, objective, rollouts)."""
+devices, cores and machines (a run may resume on a Ray cluster, or off it). Every other key
+changes what is trained (data, model, objective, rollouts)."""
 RUN_FILES = ("settings.toml", "summary.json", "steps.jsonl", "samples.jsonl")
 """A folder holding any of these holds a run."""
 LOCK = ".lock"

@@ -3,8 +3,8 @@
 The controller sees only `WorkerClient`: prepare (the model files it needs, before start),
 start (Init -> Ready), send, send_many (several frames, one wait on the pipe), recv (None at
 end of stream), failure, stop. `PipeWorker` runs the real subprocess;
-`areal_aio.fakes` has in-process fakes with the same surface, the seam the
-controller tests and the overhead benchmark use.
+`areal_aio.ray_workers.RayWorker` runs it in a Ray actor; `areal_aio.fakes` has in-process
+fakes with the same surface, the seam the controller tests and the overhead benchmark use.
 
 A dead worker looks the same through every client: recv gives an Error or None (end of
 stream), `failure(msg)` turns that (or any message the caller did not expect) into
@@ -92,15 +92,9 @@ class PipeWorker:
         return await ensure_model(model)
 
     async def start(self, init: wire.Init) -> wire.Ready:
-        root = str(Path(__file__).resolve().parent.parent)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads),
-                   PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
         log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - handed to the child
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", f"areal_aio.workers.{self.role}", stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=log if log else asyncio.subprocess.DEVNULL,
-                env=env, start_new_session=True)
+            self.proc = await spawn(self.role, self.threads, log if log else asyncio.subprocess.DEVNULL)
         finally:
             if log:
                 log.close()
@@ -118,10 +112,7 @@ class PipeWorker:
         return worker_failed(self.role, msg, self.proc.returncode if self.proc else None, self.log_tail())
 
     def log_tail(self) -> str:
-        if not self.log_path or not self.log_path.exists():
-            return ""
-        data = self.log_path.read_bytes()[-LOG_TAIL_BYTES:]
-        return data.decode(errors="replace")
+        return log_tail(self.log_path)
 
     async def send(self, msg: Any) -> None:
         await self.send_many([msg])
@@ -141,26 +132,49 @@ class PipeWorker:
 
     async def stop(self) -> None:
         """Ask, wait, terminate, kill: no worker outlives this call."""
-        proc = self.proc
-        if proc is None or proc.returncode is not None:
-            return
-        try:
-            proc.stdin.write(wire.encode(wire.Shutdown()))
-            proc.stdin.close()
-        except (BrokenPipeError, ConnectionResetError, RuntimeError, AttributeError):
-            pass
-        for action, timeout in ((None, SHUTDOWN_TIMEOUT_S), (proc.terminate, KILL_TIMEOUT_S),
-                                (proc.kill, None)):
-            if action is not None:
-                try:
-                    action()
-                except ProcessLookupError:
-                    pass
+        if self.proc is not None:
+            await stop_process(self.proc)
+
+
+async def spawn(role: str, threads: int, stderr: Any) -> asyncio.subprocess.Process:
+    """`python -m areal_aio.workers.<role>` of this installation, its pipe on stdin/stdout, in a
+    session of its own, `threads` cores."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads),
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", f"areal_aio.workers.{role}", stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=stderr, env=env, start_new_session=True)
+
+
+async def stop_process(proc: asyncio.subprocess.Process) -> None:
+    """Ask (Shutdown, then end of pipe), wait SHUTDOWN_TIMEOUT_S, terminate, wait
+    KILL_TIMEOUT_S, kill: a worker process that outlives this call does not exist."""
+    if proc.returncode is not None:
+        return
+    try:
+        proc.stdin.write(wire.encode(wire.Shutdown()))
+        proc.stdin.close()
+    except (BrokenPipeError, ConnectionResetError, RuntimeError, AttributeError):
+        pass
+    for action, timeout in ((None, SHUTDOWN_TIMEOUT_S), (proc.terminate, KILL_TIMEOUT_S), (proc.kill, None)):
+        if action is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(proc.wait()), timeout)
-                return
-            except TimeoutError:
-                continue
+                action()
+            except ProcessLookupError:
+                pass
+        try:
+            await asyncio.wait_for(asyncio.shield(proc.wait()), timeout)
+            return
+        except TimeoutError:
+            continue
+
+
+def log_tail(path: Path | None) -> str:
+    """The end of a worker's log (its traceback, when it died of one)."""
+    if not path or not path.exists():
+        return ""
+    return path.read_bytes()[-LOG_TAIL_BYTES:].decode(errors="replace")
 
 
 async def ensure_model(spec: str) -> float:

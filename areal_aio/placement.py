@@ -3,9 +3,11 @@
     rollout.devices = [d0, d1, ...]  ->  one rollout worker per entry
     trainer.devices = [d0, d1, ...]  ->  one trainer rank per entry
 
-A role with one worker is that worker's client (PipeWorker: a local subprocess); several
-rollout workers are one RolloutPool (rollout_pool.py). The controller never sees how many
-workers a role has: it holds one WorkerClient per role.
+A role with one worker is that worker's client: PipeWorker (a local subprocess), or with
+ray.address set RayWorker (the same subprocess inside a Ray actor, areal_aio/ray_workers.py).
+Several rollout workers are one RolloutPool (rollout_pool.py), several trainer ranks one
+TrainerRanks (trainer_ranks.py), whichever client each worker has. The controller never sees
+how many workers a role has, nor where: it holds one WorkerClient per role.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ def worker(role: str, index: int, count: int, settings: Settings, folder: Path) 
     folder (rollout.log, or rollout-1.log ... with several)."""
     threads = settings.rollout.threads if role == "rollout" else settings.trainer.threads
     log = folder / (f"{role}.log" if count == 1 else f"{role}-{index}.log")
+    if settings.ray.address:
+        from areal_aio.ray_workers import RayWorker  # ray is an optional extra
+
+        return RayWorker(role, index, settings, log)
     return PipeWorker(role, log, threads)
 
 
@@ -43,5 +49,10 @@ def trainer_client(settings: Settings, folder: Path) -> WorkerClient:
     devices = settings.trainer_devices
     if devices == [settings.trainer.device]:
         return worker("trainer", 0, 1, settings, folder)
+    host = "127.0.0.1"
+    if settings.ray.address:  # other ranks may be on other nodes; rank 0 is on this one
+        import ray
+
+        host = ray.util.get_node_ip_address()
     return TrainerRanks([worker("trainer", i, len(devices), settings, folder) for i in range(len(devices))],
-                        devices)
+                        devices, host)

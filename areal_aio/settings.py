@@ -252,6 +252,12 @@ class ProcessSettings:
     step_bonus_cap: float = opt(0.15, "The most the step-count bonus pays (0.15 = 3 steps of 0.05).", ge=0)
 
 
+@dataclass(frozen=True, slots=True)
+class RaySettings:
+    address: str = opt("", "Where the workers live: \"\" = local subprocesses (no Ray); \"local\" = a private Ray cluster on this machine, started for the run and shut down at its end; anything else (\"auto\", \"host:6379\") joins that running cluster, from a node of it (ray:// Ray Client addresses are refused: the trainer writes the run folder and the weight store on the controller's node). Each worker is a Ray actor running the same worker process (areal_aio/ray_workers.py). Needs pip install 'areal_aio[ray]'.")
+    ship_weights: str = opt("auto", "How a rollout actor gets each weight version: auto (one on the controller's node reads the weight store, one on another node gets the file through Ray's object store into its own node's /dev/shm) | always (every rollout actor through the object store).", choices=("auto", "always"))
+
+
 SECTIONS: dict[str, type] = {
     "run": RunSettings,
     "model": ModelSettings,
@@ -261,6 +267,7 @@ SECTIONS: dict[str, type] = {
     "controller": ControllerSettings,
     "sft": SftSettings,
     "process": ProcessSettings,
+    "ray": RaySettings,
 }
 
 
@@ -274,6 +281,7 @@ class Settings:
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     sft: SftSettings = field(default_factory=SftSettings)
     process: ProcessSettings = field(default_factory=ProcessSettings)
+    ray: RaySettings = field(default_factory=RaySettings)
 
     def __post_init__(self) -> None:
         if self.trainer.batch_size % self.rollout.group_size:
@@ -286,6 +294,14 @@ class Settings:
         if package is not None and importlib.util.find_spec(package) is None:
             raise SettingsError(f"task.name: '{self.task.name}' needs the {package} package: "
                                 f"pip install 'areal_aio[data]'")
+        if self.ray.address and importlib.util.find_spec("ray") is None:
+            raise SettingsError("ray.address: workers as Ray actors need the ray package: "
+                                "pip install 'areal_aio[ray]'")
+        if self.ray.address.startswith("ray://"):
+            raise SettingsError("ray.address: a ray:// (Ray Client) address is not supported; run the "
+                                "controller on a node of the cluster and give \"auto\" or its host:port "
+                                "(the trainer writes the run folder and the weight store on the "
+                                "controller's node)")
         bad = [op for op in self.task.operators if op not in ("+", "-", "*", "/")]
         if bad or not self.task.operators:
             raise SettingsError(f"task.operators: {bad or '[]'} not allowed; use a non-empty list of + - * /")

@@ -46,9 +46,12 @@ class TrainerRanks:
 
     role = "trainer"
 
-    def __init__(self, ranks: list[WorkerClient], devices: list[str]) -> None:
+    def __init__(self, ranks: list[WorkerClient], devices: list[str], host: str = "127.0.0.1") -> None:
+        """`host`: where the other ranks reach rank 0's store (this machine's address when ranks
+        may run on other machines: rank 0 always runs on the controller's)."""
         self.ranks = ranks
         self.devices = devices
+        self.host = host
         self._inbox: list[deque] = [deque() for _ in ranks]  # replies read, not yet handed over
         self._reads: list[asyncio.Task | None] = [None] * len(ranks)  # one pending recv per rank
         self._ended = [False] * len(ranks)  # the rank's stream ended (None read)
@@ -67,7 +70,7 @@ class TrainerRanks:
 
     async def start(self, init: wire.Init) -> wire.Ready:
         """Start every rank at once: rank i on devices[i], all in one process group."""
-        addr = f"tcp://127.0.0.1:{free_port()}"
+        addr = f"tcp://{self.host}:{free_port()}"
         world = len(self.ranks)
 
         def init_of(i: int) -> wire.Init:

@@ -5,7 +5,8 @@
         v<N>.safetensors                 policy version N; written as .v<N>.tmp, then renamed,
                                          so a reader never sees half a file
 
-The trainer publishes (`publish`), the rollout worker loads
+The trainer publishes (`publish`), a Ray rollout actor on another node stores the bytes it was
+shipped (`put`, areal_aio/ray_workers.py), the rollout worker loads
 (`areal_aio.safetensors_io.load_weights`),
 the controller decides what to keep (`retain`) and removes the folder
 (`close`). Tied weights (lm_head = embed_tokens) are written once and tied
@@ -136,4 +137,16 @@ class WeightStore:
             if isinstance(exc, OSError):
                 raise WeightStoreError(f"writing {final}: {exc}") from exc
             raise
+        return final
+
+    def put(self, version: int, data: bytes) -> Path:
+        """Store a published file's bytes (shipped from the trainer's node) as v<version>,
+        atomically like `publish`; returns the path."""
+        final, tmp = self.path(version), self.root / f".v{version}.tmp"
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, final)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise WeightStoreError(f"writing {final}: {exc}") from exc
         return final

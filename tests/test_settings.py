@@ -206,3 +206,19 @@ def test_a_task_format_whose_package_is_missing_is_one_line(monkeypatch, name, p
     assert str(info.value) == f"task.name: '{name}' needs the {package} package: pip install 'areal_aio[data]'"
     with pytest.raises(SettingsError, match=f"task.path: required when task.name = '{name}'"):
         build_settings({"task": {"name": name}})
+
+
+def test_ray_workers_need_the_ray_extra_and_a_node_of_the_cluster(monkeypatch):
+    import importlib.util
+
+    assert build_settings({}).ray.address == ""  # local subprocesses unless asked
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "ray" else real(n, *a))
+    with pytest.raises(SettingsError) as info:
+        build_settings({"ray": {"address": "local"}})
+    assert str(info.value) == ("ray.address: workers as Ray actors need the ray package: "
+                               "pip install 'areal_aio[ray]'")
+    monkeypatch.undo()
+    if importlib.util.find_spec("ray") is not None:
+        with pytest.raises(SettingsError, match="ray:// .* not supported"):
+            build_settings({"ray": {"address": "ray://head:10001"}})

@@ -128,6 +128,26 @@ def test_publish_refuses_when_the_tmpfs_is_too_small(tmp_path, models, monkeypat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_put_stores_shipped_bytes_that_load_like_the_published_file(tmp_path, models, monkeypatch) -> None:
+    a, b, _ = models
+    for node in ("trainer", "rollout"):
+        (tmp_path / node).mkdir()
+    data = WeightStore(tmp_path / "trainer").publish(a, 4).read_bytes()
+    store = WeightStore(tmp_path / "rollout")
+    path = store.put(4, data)
+    assert path == store.path(4) and store.versions() == [4]
+    load_weights(b, path)
+    _assert_same(a, b)
+
+    def boom(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(weight_store.os, "replace", boom)
+    with pytest.raises(WeightStoreError, match="No space left"):
+        store.put(5, data)
+    assert sorted(p.name for p in store.root.iterdir()) == ["v4.safetensors"]  # no temp file left
+
+
 def test_retain_deletes_the_rest(tmp_path, models) -> None:
     a, _, _ = models
     store = WeightStore(tmp_path)

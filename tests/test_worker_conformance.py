@@ -1,7 +1,8 @@
-"""One protocol, two rollout workers: the same checks run against the in-process fake
-(areal_aio.fakes.FakeRollout) and the real subprocess (PipeWorker on embedded:tiny-random),
-both through the WorkerClient surface the controller uses, so the fake cannot drift from
-the worker the controller tests stand in for.
+"""One protocol, three rollout clients: the same checks run against the in-process fake
+(areal_aio.fakes.FakeRollout), the real subprocess (PipeWorker on embedded:tiny-random) and the
+same subprocess in a Ray actor (RayWorker, on a local Ray cluster), all through the
+WorkerClient surface the controller uses, so the fake cannot drift from the worker the
+controller tests stand in for, nor the actor from the pipe.
 
 What is checked is the contract, not the model: ids, lengths and versions of a Completion,
 log-probs per token, Abort of an unknown and of a running request, a weight update stamping
@@ -12,6 +13,7 @@ determinism, a reply prefix and a chat's turns reaching the prompt, shutdown, an
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import math
 import os
 import signal
@@ -28,7 +30,20 @@ REPLY_TIMEOUT_S = 120.0
 """Generous: a cold worker imports torch and transformers on a busy machine."""
 LONG = 200
 """Tokens of a request still running when the next message arrives (the fake: 2 ms each)."""
-KINDS = ["fake", pytest.param("real", marks=pytest.mark.slow)]
+KINDS = ["fake", pytest.param("real", marks=pytest.mark.slow),
+         pytest.param("ray", marks=[pytest.mark.slow, pytest.mark.skipif(
+             importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")])]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray cluster for the module's Ray clients (they join it; it is not theirs to end)."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             logging_level="WARNING")
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +68,14 @@ async def start(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> tu
                                    "rollout.max_batch=8", "rollout.chunk_tokens=2"))
     if kind == "fake":
         client, path = FakeRollout(tokens=1000, token_delay_s=0.002), str(tmp_path / "v1.safetensors")
-    else:
+    elif kind == "real":
         client, path = PipeWorker("rollout", tmp_path / "rollout.log"), request.getfixturevalue("v1_weights")
+    else:
+        from areal_aio.ray_workers import RayWorker
+
+        request.getfixturevalue("ray_cluster")
+        client = RayWorker("rollout", 0, build_settings({}, ["ray.address=local"]), tmp_path / "rollout.log")
+        path = request.getfixturevalue("v1_weights")
     assert await client.prepare(settings.model.path) in (None, 0.0)
     ready = await asyncio.wait_for(client.start(wire.Init("rollout", settings.to_dict(), str(tmp_path))),
                                    REPLY_TIMEOUT_S)

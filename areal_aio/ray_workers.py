@@ -1,0 +1,330 @@
+"""Workers as Ray actors: the same worker processes and messages, placed on a Ray cluster.
+
+    controller (on a node of the cluster)            Relay actor (on the node Ray picks)
+      RayWorker --write(frames) / load_weights-->      stdin  -> python -m areal_aio.workers.<role>
+                <--read(): stdout, stderr bytes--      stdout <-   (the worker PipeWorker runs)
+      frames parsed here, stderr appended to <run>/<role>.log
+
+A Relay is the pipe at a distance: it runs the worker subprocess on its node, writes what the
+controller sends to the worker's stdin and hands back what the worker writes, unparsed. The
+worker loops, the wire and the controller do not know about Ray.
+
+Weights. The trainer's actor (rank 0) is pinned to the controller's node
+(NodeAffinitySchedulingStrategy), so v<N>.safetensors in the weight store, model/, best/ and
+checkpoints are written where the controller reads and removes them, as in a local run. A
+rollout actor on another node (every rollout actor with ray.ship_weights = "always") has a
+store folder of its own on its node: on UpdateWeights(version, path), sent only after the
+controller committed the version, its client asks the trainer's actor for the file (the bytes
+go into Ray's object store on the controller's node and from there to the rollout node; only a
+file under Ray's inline limit, 100 KiB, passes through the controller), the rollout actor
+writes them as v<version> in its folder and sends its worker UpdateWeights with that path. It keeps KEPT_VERSIONS files and removes the folder
+when it stops.
+
+Stopping: the actor stops its worker as PipeWorker does (Shutdown, wait, terminate, kill),
+then the client kills the actor. An actor that dies (killed, its node lost) ends the client's
+stream: recv gives None, failure() says that the actor died. Ray kills the processes a dead
+actor started, so its worker goes with it, and so does the worker's own cleanup: the client
+removes a dead actor's store folder on the controller's node; on another node the next run's
+store sweeps it there (its owner, the actor, is gone).
+
+Ray is one connection per process (ray.init): the first RayWorker to start connects (ray.address
+= "local" starts a private cluster), the last to stop disconnects (a private cluster shuts down).
+areal_aio must be importable on every node (installed there, or on PYTHONPATH), and model.path
+valid on each (an embedded model or a hub id is prepared on each node when its actor starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from areal_aio import wire
+from areal_aio.client import (
+    KILL_TIMEOUT_S,
+    READY_TIMEOUT_S,
+    SHUTDOWN_TIMEOUT_S,
+    WorkerFailed,
+    ensure_model,
+    log_tail,
+    spawn,
+    stop_process,
+    worker_failed,
+)
+from areal_aio.settings import Settings
+from areal_aio.weight_store import WeightStore
+
+KEPT_VERSIONS = 2
+"""Weight files a rollout actor keeps: the newest and the one before, which its worker may hold
+as pending but not yet opened when the newest arrives (it then loads the newest instead)."""
+STOP_TIMEOUT_S = SHUTDOWN_TIMEOUT_S + 2 * KILL_TIMEOUT_S
+"""An actor stops its worker (ask, terminate, kill) within this; then it is killed itself."""
+READ_BYTES = 1 << 20
+
+
+@ray.remote
+class Relay:
+    """One worker process on this actor's node, its pipe and its log relayed to a RayWorker."""
+
+    def __init__(self) -> None:
+        self.proc: asyncio.subprocess.Process | None = None
+        self.store: WeightStore | None = None
+        self.out, self.err = bytearray(), bytearray()
+        self.news = asyncio.Event()
+        self.pumps: list[asyncio.Task] = []
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    async def start(self, role: str, threads: int, model: str, store: str) -> str:
+        """Make `model` ready on this node, create a weight-store folder named `store` here
+        ("" = none: the worker reads the controller's), start the worker; returns the folder."""
+        await ensure_model(model)
+        if store:
+            self.store = WeightStore.create(store)
+        self.proc = await spawn(role, threads, asyncio.subprocess.PIPE)
+        self.pumps = [asyncio.create_task(self._pump(stream, buf))
+                      for stream, buf in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        return str(self.store.root) if self.store else ""
+
+    async def _pump(self, stream: asyncio.StreamReader, buf: bytearray) -> None:
+        while chunk := await stream.read(READ_BYTES):
+            buf += chunk
+            self.news.set()
+        self.news.set()
+
+    async def read(self) -> tuple[bytes, bytes, int | None]:
+        """What the worker wrote to stdout and stderr since the last read (waits for something);
+        once both are closed and handed over: its exit status, else None."""
+        await self.news.wait()
+        ended = all(p.done() for p in self.pumps)
+        if not ended:
+            self.news.clear()
+        out, err = bytes(self.out), bytes(self.err)
+        self.out.clear()
+        self.err.clear()
+        if out or err or not ended:
+            return out, err, None
+        return b"", b"", await self.proc.wait()
+
+    async def write(self, data: bytes) -> None:
+        self.proc.stdin.write(data)
+        await self.proc.stdin.drain()
+
+    async def load_weights(self, version: int, data: bytes) -> None:
+        """Store shipped weights as v<version> on this node, then hand the worker their path."""
+        path = await asyncio.to_thread(self.store.put, version, data)
+        self.store.retain(range(version - KEPT_VERSIONS + 1, version + 1))
+        await self.write(wire.encode(wire.UpdateWeights(version, str(path))))
+
+    async def read_file(self, path: str) -> bytes:
+        """A published weight file's bytes (the trainer's actor, on the controller's node)."""
+        return await asyncio.to_thread(Path(path).read_bytes)
+
+    async def stop(self) -> None:
+        if self.proc is not None:
+            await stop_process(self.proc)
+            await asyncio.gather(*self.pumps)
+        if self.store is not None:
+            self.store.close()
+
+
+class RayWorker:
+    """A WorkerClient whose worker runs in a Relay actor: worker `index` of `role`.
+
+    Asks Ray for rollout.threads / trainer.threads CPUs, and one GPU for a cuda device (which
+    the worker then sees as "cuda": Ray makes it the only one visible)."""
+
+    def __init__(self, role: str, index: int, settings: Settings, log_path: Path | None = None) -> None:
+        self.role, self.index, self.log_path = role, index, log_path
+        devices = settings.rollout_devices if role == "rollout" else settings.trainer_devices
+        self.threads = settings.rollout.threads if role == "rollout" else settings.trainer.threads
+        self.gpu = str(devices[index]).startswith("cuda")
+        self.address, self.ship = settings.ray.address, settings.ray.ship_weights
+        self.cpus = (len(settings.rollout_devices) * settings.rollout.threads
+                     + len(settings.trainer_devices) * settings.trainer.threads)
+        self.actor: Any = None
+        self.pid: int | None = None  # the worker process's, on the actor's node
+        self.shipped = False  # this rollout worker gets weights through the object store
+        self.code: int | None = None
+        self._gone = ""  # why the stream ended, when the actor died
+        self._joined = False
+        self._stream: asyncio.StreamReader | None = None
+        self._relay: asyncio.Task | None = None
+        self._sending = asyncio.Lock()
+        self._source: Any = None
+        self._own_store = ""  # the actor's store folder when it is on this node (removed at stop)
+
+    async def prepare(self, model: str) -> None:
+        """Nothing here: each actor makes the model ready on its own node when it starts."""
+        return None
+
+    async def start(self, init: wire.Init) -> wire.Ready:
+        Cluster.join(self.address, self.cpus)
+        self._joined = True
+        try:
+            return await asyncio.wait_for(self._start(init), READY_TIMEOUT_S)
+        except TimeoutError:
+            raise WorkerFailed(self.role, f"not ready after {READY_TIMEOUT_S:.0f}s (a Ray actor waits "
+                                          "for a node with the CPUs and GPUs it asks for)",
+                               self.log_tail()) from None
+
+    async def _start(self, init: wire.Init) -> wire.Ready:
+        here = ray.get_runtime_context().get_node_id()
+        options: dict[str, Any] = {"num_cpus": self.threads, "num_gpus": int(self.gpu)}
+        if self.role == "trainer" and self.index == 0:  # it writes the run folder and the store
+            options.update(name=trainer_name(init.shm_dir),
+                           scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
+        self.actor = Relay.options(**options).remote()
+        node = await self._call(self.actor.node.remote())
+        self.shipped = self.role == "rollout" and (self.ship == "always" or node != here)
+        store = f"{Path(init.shm_dir).name}-{self.role}{self.index}" if self.shipped else ""
+        shm_dir = await self._call(self.actor.start.remote(self.role, self.threads,
+                                                           init.settings["model"]["path"], store))
+        self._own_store = shm_dir if node == here else ""
+        self._stream = asyncio.StreamReader()
+        self._relay = asyncio.create_task(self._read_actor(self.actor), name=f"{self.role}-relay")
+        await self.send(_on_actor(init, shm_dir or init.shm_dir, self.gpu))
+        msg = await self.recv()
+        if not isinstance(msg, wire.Ready):
+            raise self.failure(msg)
+        self.pid = msg.pid
+        return msg
+
+    async def _read_actor(self, actor: Any) -> None:
+        """Feed what the actor hands back: stdout into the frame stream, stderr into the log."""
+        log = open(self.log_path, "ab", buffering=0) if self.log_path else None  # noqa: SIM115
+        try:
+            while True:
+                out, err, code = await actor.read.remote()
+                if err and log:
+                    log.write(err)
+                if out:
+                    self._stream.feed_data(out)
+                if code is not None:
+                    self.code = code
+                    return
+        except RayError as exc:
+            self._gone = _what_happened(exc)
+        finally:
+            self._stream.feed_eof()
+            if log:
+                log.close()
+
+    async def _call(self, ref: Any) -> Any:
+        try:
+            return await ref
+        except RayError as exc:
+            raise WorkerFailed(self.role, _what_happened(exc), self.log_tail()) from None
+
+    def failure(self, msg: Any) -> WorkerFailed:
+        if msg is None and self._gone:
+            return WorkerFailed(self.role, self._gone, self.log_tail())
+        return worker_failed(self.role, msg, self.code, self.log_tail())
+
+    def log_tail(self) -> str:
+        return log_tail(self.log_path)
+
+    async def send(self, msg: Any) -> None:
+        await self.send_many([msg])
+
+    async def send_many(self, msgs: list[Any]) -> None:
+        """Frames to the worker, in order: Ray runs an async actor's calls in any order, so one
+        call at a time. A shipped UpdateWeights becomes the file's bytes plus the message (frames
+        sent meanwhile wait for the transfer)."""
+        async with self._sending:
+            if self.actor is None:
+                raise WorkerFailed(self.role, "stopped", self.log_tail())
+            frames = []
+            for msg in msgs:
+                if isinstance(msg, wire.UpdateWeights) and self.shipped:
+                    if frames:
+                        await self._call(self.actor.write.remote(b"".join(frames)))
+                        frames = []
+                    data = self._weights_source(msg.path).read_file.remote(msg.path)
+                    await self._call(self.actor.load_weights.remote(msg.version, data))
+                else:
+                    frames.append(wire.encode(msg))
+            if frames:
+                await self._call(self.actor.write.remote(b"".join(frames)))
+
+    def _weights_source(self, path: str) -> Any:
+        """The trainer's actor, which reads the store on the controller's node."""
+        if self._source is None:
+            self._source = ray.get_actor(trainer_name(str(Path(path).parent)))
+        return self._source
+
+    async def recv(self) -> Any | None:
+        return await wire.read_message_async(self._stream)
+
+    async def stop(self) -> None:
+        """Ask the actor to stop its worker, wait, kill the actor; the last client disconnects."""
+        actor, self.actor = self.actor, None
+        try:
+            if actor is not None:
+                with contextlib.suppress(RayError, TimeoutError):
+                    await asyncio.wait_for(actor.stop.remote(), STOP_TIMEOUT_S)
+                if self._relay is not None:  # the rest of the worker's output and its exit status
+                    await asyncio.wait([self._relay], timeout=KILL_TIMEOUT_S)
+                    self._relay.cancel()
+                with contextlib.suppress(RayError, ValueError):
+                    ray.kill(actor)
+                if self._own_store:  # the actor died before removing it
+                    shutil.rmtree(self._own_store, ignore_errors=True)
+        finally:
+            if self._joined:
+                self._joined = False
+                Cluster.leave()
+
+
+class Cluster:
+    """This process's connection to Ray, shared by its RayWorkers: the first to start joins,
+    the last to stop leaves. A connection the caller made itself is left as it is."""
+
+    users = 0
+    owned = False
+
+    @classmethod
+    def join(cls, address: str, cpus: int) -> None:
+        """`address` "local": start a private cluster with `cpus` CPUs (what the workers ask for)."""
+        if cls.users == 0 and not ray.is_initialized():
+            local = address == "local"
+            ray.init(address=address, num_cpus=cpus if local else None, include_dashboard=False,
+                     log_to_driver=False, logging_level="WARNING")
+            cls.owned = True
+        cls.users += 1
+
+    @classmethod
+    def leave(cls) -> None:
+        cls.users -= 1
+        if cls.users == 0 and cls.owned:
+            cls.owned = False
+            ray.shutdown()
+
+
+def trainer_name(shm_dir: str) -> str:
+    """The Ray name of a run's trainer actor (its store folder is unique to the run)."""
+    return f"areal_aio-trainer-{Path(shm_dir).name}"
+
+
+def _on_actor(init: wire.Init, shm_dir: str, gpu: bool) -> wire.Init:
+    """Init as the worker in an actor needs it: its store folder; on a GPU the one Ray gave it."""
+    settings = init.settings
+    if gpu:
+        part = settings[init.role]
+        settings = {**settings, init.role: {**part, "device": "cuda", "devices": [
+            "cuda" if str(d).startswith("cuda") else d for d in part["devices"]]}}
+    return dataclasses.replace(init, settings=settings, shm_dir=shm_dir)
+
+
+def _what_happened(exc: RayError) -> str:
+    """A failed actor call in the words of WorkerFailed: the actor died, or a call raised."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return f"its Ray actor died ({first})" if isinstance(exc, RayActorError) else f"its Ray actor failed: {first}"
