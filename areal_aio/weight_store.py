@@ -66,9 +66,19 @@ def sweep_dead_runs(base: Path = SHM_BASE) -> list[Path]:
                 continue
         elif _pid_alive(pid):
             continue
-        shutil.rmtree(run, ignore_errors=True)
+        _remove(run)
         removed.append(run)
     return removed
+
+
+def _remove(folder: Path, attempts: int = 3) -> None:
+    """rmtree, again if a worker of the dead run (finishing its step before it sees that its
+    controller is gone) wrote a file into the folder while it was being removed."""
+    for _ in range(attempts):
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            return
+        time.sleep(0.05)
 
 
 class WeightStore:

@@ -55,12 +55,15 @@ INSTRUCTION = " Give the final answer inside <answer></answer> tags."
 TRAIN_SEQS = 32
 
 
-def settings_for(spec: str, role: str, count: int, threads: int, device: str, max_new: int) -> Settings:
+def settings_for(spec: str, role: str, count: int, threads: int, device: str, max_new: int,
+                 extra: list[str]) -> Settings:
+    """One configuration's settings: `count` workers of `role` (cuda: cuda:0 .. cuda:N-1), then
+    the command line's --set overrides (e.g. ray.address=local: the same workers as Ray actors)."""
     devices = f"{role}.devices={count}" if device == "cpu" else \
-        f"{role}.devices=[{', '.join(repr(device if count == 1 else f'{device}:{i}') for i in range(count))}]"
+        f"{role}.devices=[{', '.join(repr(f'{device}:{i}') for i in range(count))}]"
     return build_settings({}, [f"model.path={spec}", devices, f"{role}.threads={threads}",
                                f"rollout.max_new_tokens={max_new}", f"rollout.group_size={GROUP}",
-                               f"trainer.batch_size={TRAIN_SEQS}", "trainer.bf16=auto"])
+                               f"trainer.batch_size={TRAIN_SEQS}", *extra])
 
 
 async def rollout_pass(client: WorkerClient, s: Settings, sequences: int, rep: int) -> dict[str, float]:
@@ -105,7 +108,7 @@ async def measure(args: argparse.Namespace, spec: str) -> dict[str, Any]:
         for role, counts in (("rollout", args.rollout), ("trainer", args.ranks)):
             for n in counts:
                 threads = args.threads or (max(1, cores // n) if args.device == "cpu" else 1)
-                s = settings_for(spec, role, n, threads, args.device, args.max_new)
+                s = settings_for(spec, role, n, threads, args.device, args.max_new, args.overrides)
                 make = placement.rollout_client if role == "rollout" else placement.trainer_client
                 client = make(s, folder / f"{role}-{n}")
                 (folder / f"{role}-{n}").mkdir()
@@ -171,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cores", type=int, default=None, help="cores to share out (default: this process's)")
     ap.add_argument("--threads", type=int, default=None, help="threads per worker (default cores // N)")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (N workers take cuda:0 .. cuda:N-1)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
+                    help="settings override of every configuration (repeatable)")
     ap.add_argument("--machine", default="", help="the machine, for the title (e.g. '2-core x86 VM')")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "scaling")
     args = ap.parse_args(argv)
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     from areal_aio.cli import run_owned
 
     result = run_owned(measure(args, spec))
-    result["machine"] = args.machine
+    result.update(machine=args.machine, overrides=args.overrides)
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "scaling.json", result)
     print_table(("role", "workers", "threads each", "tok/s (median)", "speedup", "per repeat"),

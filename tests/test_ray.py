@@ -108,7 +108,7 @@ async def test_a_run_of_ray_actors_trains_exactly_like_the_local_run(tmp_path, l
     assert len({r[3] for r in rows}) > 1  # a dense reward: the updates moved the weights
     assert (tmp_path / "ray" / "model" / "model.safetensors").read_bytes() == \
         (tmp_path / "local" / "model" / "model.safetensors").read_bytes()
-    assert "[rollout] v3: load" in (tmp_path / "ray" / "rollout.log").read_text()  # its stderr, relayed
+    assert "[rollout 0] v3: load" in (tmp_path / "ray" / "rollout.log").read_text()  # its stderr, relayed
 
 
 async def test_a_killed_actor_stops_the_run_with_its_name(tmp_path, leaves_nothing):

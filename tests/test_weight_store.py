@@ -247,3 +247,37 @@ def test_sweep_spares_an_ownerless_folder_until_it_is_old(tmp_path) -> None:
     assert sweep_dead_runs(base) == [fresh] and not fresh.exists()
     assert (base / "stray-file").exists()
     assert sweep_dead_runs(tmp_path / "nothing-here") == []
+
+
+def test_sweep_removes_again_a_file_written_while_it_removed(tmp_path, monkeypatch) -> None:
+    """A worker of the dead run may still finish a version while the folder is being swept."""
+    run = tmp_path / "dead-run"
+    run.mkdir()
+    (run / "owner.pid").write_text("999999999")  # no such process
+    real, calls = shutil.rmtree, []
+
+    def rmtree_racing_a_writer(path, ignore_errors=False):
+        real(path, ignore_errors=ignore_errors)
+        calls.append(path)
+        if len(calls) == 1:  # the late writer: a new file in the folder the sweep just emptied
+            run.mkdir(exist_ok=True)
+            (run / "v3.safetensors").write_bytes(b"late")
+
+    monkeypatch.setattr(weight_store.shutil, "rmtree", rmtree_racing_a_writer)
+    assert weight_store.sweep_dead_runs(tmp_path) == [run]
+    assert not run.exists() and len(calls) == 2
+
+
+def test_an_orphaned_worker_removes_its_store_also_when_a_sweep_took_owner_pid(tmp_path) -> None:
+    from areal_aio.workers.common import remove_orphaned_store
+
+    dead = 999_999_999  # the controller that died (not this process's parent: no wait)
+    for owner, kept in ((None, False), (dead, False), (1, True)):
+        folder = tmp_path / f"run-{owner}"
+        folder.mkdir()
+        (folder / "v3.safetensors").write_bytes(b"late")  # written after a sweep removed the rest
+        if owner is not None:
+            (folder / "owner.pid").write_text(str(owner))
+        remove_orphaned_store(str(folder), dead)
+        # gone when owner.pid is missing or names the dead controller; another owner's stays
+        assert folder.exists() == kept, owner

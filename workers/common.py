@@ -156,6 +156,7 @@ def remove_orphaned_store(shm_dir: str, parent: int) -> None:
     try:
         owner = int((Path(shm_dir) / "owner.pid").read_text().strip())
     except (OSError, ValueError):
-        return
-    if owner == parent:
+        owner = None  # gone: a sweep by the next run is removing the folder, or removed it while
+        # this worker was still writing a version into it; finish the job (the name is its own)
+    if owner in (parent, None):
         shutil.rmtree(shm_dir, ignore_errors=True)
