@@ -67,6 +67,7 @@ STEP_METRICS = {
     "seconds": "perf/trainer_step_s",
     "prox_s": "perf/prox_s",
     "publish_s": "perf/publish_s",
+    "reduce_s": "perf/reduce_s",
     "replay_groups": "queue/replay_groups",
     "in_flight": "queue/in_flight",
     "process_mean": "process/score_mean",

@@ -95,7 +95,7 @@ async def train_pass(client: WorkerClient, batch: list[wire.TrainSample], versio
     wall = time.perf_counter() - t0
     tokens = sum(len(s.completion_ids) for s in batch)
     return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
-            "worker_seconds": msg.stats["seconds"]}, msg.version
+            "worker_seconds": msg.stats["seconds"], "reduce_s": msg.stats.get("reduce_s", 0.0)}, msg.version
 
 
 async def measure(args: argparse.Namespace, spec: str) -> dict[str, Any]:
@@ -140,6 +140,8 @@ async def measure(args: argparse.Namespace, spec: str) -> dict[str, Any]:
         base_median = statistics.median(r["tokens_per_s"] for r in base["runs"])
         rows.append({"role": c["role"], "workers": c["workers"], "threads_each": c["threads_each"],
                      "tokens_per_s": median, "speedup": median / base_median,
+                     "seconds": statistics.median(r["seconds"] for r in c["runs"]),
+                     "reduce_s": statistics.median(r.get("reduce_s", 0.0) for r in c["runs"]),
                      "per_repeat": [round(r["tokens_per_s"], 2) for r in c["runs"]], "runs": c["runs"]})
     return {"model": spec, "device": args.device, "cores": cores, "sequences": args.sequences,
             "max_new_tokens": args.max_new, "train_batch": TRAIN_SEQS, "repeats": args.repeats, "rows": rows}
@@ -191,9 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     result.update(machine=args.machine, overrides=args.overrides)
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "scaling.json", result)
-    print_table(("role", "workers", "threads each", "tok/s (median)", "speedup", "per repeat"),
+    print_table(("role", "workers", "threads each", "tok/s (median)", "speedup", "s per pass", "all-reduce s",
+                 "per repeat"),
                 [(r["role"], str(r["workers"]), str(r["threads_each"]), f"{r['tokens_per_s']:.1f}",
-                  f"{r['speedup']:.2f}x", " ".join(f"{x:.1f}" for x in r["per_repeat"])) for r in result["rows"]],
+                  f"{r['speedup']:.2f}x", f"{r['seconds']:.2f}",
+                  f"{r['reduce_s']:.2f}" if r["role"] == "trainer" else "-",
+                  " ".join(f"{x:.1f}" for x in r["per_repeat"])) for r in result["rows"]],
                 title=f"{spec} on {args.machine or args.device}, {result['cores']} cores shared out")
     plot(result, args.out / "scaling.png", f"Scale-out on {args.machine or args.device}: {spec.split(':')[-1]}")
     print(f"wrote {args.out / 'scaling.json'} and scaling.png")

@@ -1,4 +1,5 @@
-"""workers/data_parallel.py: the split of micro-batches over ranks, and two gloo ranks taking
+"""Data parallelism: the split of a mini-batch's rows over ranks (workers/packing.py, planned in
+workers/microbatch.py), and two gloo ranks (workers/data_parallel.py) taking
 the very updates one rank takes (real trainer subprocesses over pipes, areal_aio.trainer_ranks)."""
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from safetensors.torch import load_file
 from areal_aio import placement, wire
 from areal_aio.settings import build_settings
 from areal_aio.trainer_ranks import TrainerRanks
-from areal_aio.workers.data_parallel import Ranks, split
+from areal_aio.workers.data_parallel import Ranks
+from areal_aio.workers.microbatch import plan_micro_batches
 from areal_aio.workers.models import TINY, encode_prompt, load_model
+from areal_aio.workers.packing import split
 
 # ---- the split ---------------------------------------------------------------------------------
 
@@ -49,9 +52,31 @@ def test_a_rank_may_get_nothing_and_ties_go_to_the_lower_rank() -> None:
     assert split([4, 4, 4, 4], 2) == [[0, 2], [1, 3]]
 
 
-def test_one_rank_keeps_the_whole_mini_batch_and_totals_are_its_own() -> None:
-    mini = [object(), object()]
-    assert Ranks().share(mini) is mini
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("parts", [2, 3])
+def test_each_rank_plans_its_own_rows_and_together_they_plan_the_mini_batch(packed: bool, parts: int) -> None:
+    gen = torch.Generator().manual_seed(parts)
+    samples = []
+    for g in range(5):  # groups of 3 sharing a prompt, replies of 1-40 tokens
+        prompt = torch.randint(0, 100, (int(torch.randint(3, 30, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(3):
+            n = int(torch.randint(1, 40, (1,), generator=gen))
+            samples.append(wire.TrainSample(prompt, torch.randint(0, 100, (n,), generator=gen).tolist(),
+                                            [-1.0] * n, [0] * n, 0.0, g))
+    adv = torch.zeros(len(samples))
+    kw = {"packed": packed, "max_tokens": 4096, "pad_id": 0, "device": "cpu"}
+    whole = plan_micro_batches(samples, 0, 15, adv, **kw)
+    assert len(whole) == 1  # the budget makes one micro-batch of it all: a split of micro-batches idles
+    shares = [plan_micro_batches(samples, 0, 15, adv, part=r, parts=parts, **kw) for r in range(parts)]
+    index = [sorted(i for mb in share for i in mb.index) for share in shares]
+    assert sorted(itertools.chain(*index)) == list(range(15))  # each sample on exactly one rank
+    assert all(index)  # 5 groups (15 rows unpacked) give every rank work
+    if packed:  # groups stay whole
+        assert all(set(idx) >= {i // 3 * 3 + j for j in range(3)} for idx in index for i in idx)
+    assert sum(mb.tokens for share in shares for mb in share) == whole[0].tokens
+
+
+def test_one_rank_totals_are_its_own() -> None:
     zero = torch.zeros((), dtype=torch.float64)
     got = Ranks().totals({"a": zero + 2, "b": zero + 3}, {"lo": zero - 1}, {"hi": zero + 5})
     assert got == {"a": 2.0, "b": 3.0, "lo": -1.0, "hi": 5.0}
@@ -69,7 +94,10 @@ LENGTHS = (14, 9, 5, 2)
 STEPS = 3
 WEIGHTS_ATOL = 1e-5
 STATS_RTOL = 1e-5
-TIMED = ("seconds", "prox_s", "publish_s")
+TIMED = ("seconds", "prox_s", "publish_s", "reduce_s")
+LAYOUT = ("computed_tokens",)
+"""Positions computed, padding included: each rank pads its own micro-batches, so the ranks
+together may pad less or more than one rank does (the work, not the update)."""
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +159,9 @@ async def train(client: Any, settings: Any, shm: Path, batches: list[list[wire.T
     ("", ("trainer.share_prompts=off", "trainer.micro_tokens=112", "trainer.minibatches=1")),
     ("", ("trainer.share_prompts=on", "trainer.micro_tokens=80", "trainer.minibatches=2", "trainer.kl_coef=0.1")),
     ("", ("trainer.share_prompts=off", "trainer.micro_tokens=4096", "trainer.minibatches=2")),  # one micro-batch each
+    ("", ("trainer.share_prompts=on", "trainer.micro_tokens=4096", "trainer.minibatches=6")),  # one group each
     ("sft", ("trainer.share_prompts=on", "trainer.micro_tokens=80", "trainer.minibatches=1")),
-], ids=["rows-one-minibatch", "packed-two-minibatches-kl", "rank-1-idle", "sft"])
+], ids=["rows-one-minibatch", "packed-two-minibatches-kl", "budget-of-one-micro-batch", "rank-1-idle", "sft"])
 async def test_two_gloo_ranks_reach_the_weights_of_one_rank(tmp_path, capsys, batches, objective, variant) -> None:
     t0 = time.perf_counter()
     base = (f"model.path={TINY}", f"run.seed={SEED}", "trainer.bf16=off", "trainer.lr=1e-3",
@@ -148,7 +177,7 @@ async def test_two_gloo_ranks_reach_the_weights_of_one_rank(tmp_path, capsys, ba
     for a, b in zip(*got, strict=True):
         assert (a.step, a.version) == (b.step, b.version) and Path(b.path).parent == tmp_path / "two"
         for key, value in a.stats.items():
-            if key not in TIMED:
+            if key not in TIMED + LAYOUT:
                 assert b.stats[key] == pytest.approx(value, rel=STATS_RTOL, abs=1e-7), key
     v0, _ = load_model(TINY, seed=SEED)
     start = {name: p.detach() for name, p in v0.named_parameters()}

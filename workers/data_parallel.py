@@ -3,9 +3,11 @@
 With `trainer.devices` the trainer runs as N processes, torch.distributed ranks (gloo on the
 CPU, NCCL on GPUs), each started by the controller like a single trainer (areal_aio.trainer_ranks):
 
-    every rank: the whole Train -> advantages, mini-batches, micro-batches (the same plan)
-      |  `share`: each mini-batch's micro-batches dealt out by tokens, each to one rank
-      |  forward / backward of its own micro-batches only; loss = sum / GLOBAL token count
+    every rank: the whole Train -> advantages (of the whole batch), mini-batches
+      |  each mini-batch's rows (a packed group, or a sample) dealt out by the positions
+      |      they compute (packing.split, the same on every rank); each rank plans and
+      |      computes micro-batches of its own rows only (microbatch.plan_micro_batches)
+      |  loss = sum / GLOBAL token count of the mini-batch
       |  `all_reduce_grads`: one flat SUM per optimizer step (a rank with nothing adds zeros)
       |  clip, AdamW: the same numbers on every rank, so the weights stay the same
       v  `totals`: the stats' sums, minima and maxima over all ranks; rank 0 publishes
@@ -28,25 +30,11 @@ import datetime
 import torch
 
 from areal_aio import wire
-from areal_aio.workers.microbatch import MicroBatch
 
 DIST_TIMEOUT_S = 300.0
 """How long a collective (or the start's rendezvous) waits for the other ranks. Ranks reach each
 reduction a micro-batch apart at most, and a rank that dies ends its pipe at once (the
 controller stops the rest), so this only bounds a hang nobody else sees."""
-
-
-def split(costs: list[int], world: int) -> list[list[int]]:
-    """Indices of `costs` dealt to `world` ranks: largest first, each to the rank with the least
-    so far (ties: the lower index and rank); each rank's indices in order. Deterministic, so
-    every rank computes the same split without a message; a rank may get none."""
-    shares: list[list[int]] = [[] for _ in range(world)]
-    load = [0] * world
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        shares[rank].append(i)
-        load[rank] += costs[i]
-    return [sorted(s) for s in shares]
 
 
 class Ranks:
@@ -65,12 +53,6 @@ class Ranks:
                 backend, init_method=init.dist_addr, rank=init.rank, world_size=init.world,
                 timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
         return cls(init.rank, init.world)
-
-    def share(self, mini: list[MicroBatch]) -> list[MicroBatch]:
-        """This rank's micro-batches of one mini-batch, balanced by the positions each computes."""
-        if self.world == 1:
-            return mini
-        return [mini[i] for i in split([mb.computed for mb in mini], self.world)[self.rank]]
 
     def broadcast(self, params: list[torch.Tensor]) -> None:
         """Rank 0's values into every rank's `params` (the start: one set of weights)."""

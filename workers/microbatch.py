@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from areal_aio import wire
-from areal_aio.workers.packing import micro_batches
+from areal_aio.workers.packing import micro_batches, split
 
 PACKED_ATTENTION = ("sdpa", "eager")
 """Attention implementations that take a custom 4D mask as given (transformers returns a 4D
@@ -194,14 +194,26 @@ def build_packed_micro_batch(samples: list[wire.TrainSample], groups: list[list[
 
 
 def plan_micro_batches(samples: list[wire.TrainSample], lo: int, hi: int, adv: torch.Tensor, *,
-                       packed: bool, max_tokens: int, pad_id: int, device: str) -> list[MicroBatch]:
+                       packed: bool, max_tokens: int, pad_id: int, device: str,
+                       part: int = 0, parts: int = 1) -> list[MicroBatch]:
     """samples[lo:hi] in micro-batches of at most `max_tokens` computed positions (padding
-    included; one row over the budget travels alone). Packed: one group per row, groups whole."""
+    included; one row over the budget travels alone). Packed: one group per row, groups whole.
+
+    `parts` > 1 (a data-parallel trainer's ranks): the rows are first dealt out by the positions
+    they compute (packing.split, the same on every rank), and only part `part`'s rows are
+    planned, so each rank builds and computes its own share, however few micro-batches the
+    budget makes of the whole."""
     if packed:
-        groups = prompt_groups(samples, lo, hi)
-        lengths = [group_row_length(samples, g) for g in groups]
-        return [build_packed_micro_batch(samples, [groups[k] for k in mb], adv, pad_id, device)
+        rows = prompt_groups(samples, lo, hi)
+        lengths = [group_row_length(samples, g) for g in rows]
+    else:
+        rows = [[i] for i in range(lo, hi)]
+        lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in range(lo, hi)]
+    if parts > 1:
+        mine = split(lengths, parts)[part]
+        rows, lengths = [rows[k] for k in mine], [lengths[k] for k in mine]
+    if packed:
+        return [build_packed_micro_batch(samples, [rows[k] for k in mb], adv, pad_id, device)
                 for mb in micro_batches(lengths, max_tokens)]
-    lengths = [len(samples[i].prompt_ids) + len(samples[i].completion_ids) for i in range(lo, hi)]
-    return [build_micro_batch(samples, [lo + j for j in mb], adv, pad_id, device)
+    return [build_micro_batch(samples, [rows[k][0] for k in mb], adv, pad_id, device)
             for mb in micro_batches(lengths, max_tokens)]

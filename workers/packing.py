@@ -49,3 +49,17 @@ def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 def padded_tokens(lengths: Sequence[int], batch: Sequence[int]) -> int:
     """Tokens a micro-batch occupies once padded: members x longest member."""
     return len(batch) * max((lengths[i] for i in batch), default=0)
+
+
+def split(costs: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices of `costs` dealt to `parts` parts: largest first, each to the part with the least
+    so far (ties: the lower index and part); each part's indices in order. Deterministic, so
+    every rank of a data-parallel trainer computes the same split without a message; a part
+    may get none."""
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        part = min(range(parts), key=lambda r: (load[r], r))
+        shares[part].append(i)
+        load[part] += costs[i]
+    return [sorted(s) for s in shares]

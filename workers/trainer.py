@@ -47,7 +47,9 @@ entropy, clip_frac, ratio_min/mean/max, behav_w_min/mean/max (pi_prox /
 pi_behav), capped_frac, grad_norm (mean pre-clip norm over mini-batches), kl
 (k3, only when kl_coef > 0), tokens, computed_tokens (token positions the
 update's forward ran on, padding included), seqs, seconds, prox_s (the no-grad pi_prox
-pass of mini-batches after the first: 0 with one), publish_s,
+pass of mini-batches after the first: 0 with one), publish_s, reduce_s (the gradient
+all-reduces of a data-parallel trainer, waiting for the slowest rank included: 0 with one rank;
+on a GPU the reduction is queued, so this is mostly the wait for the other ranks),
 mismatch_kl (k3 KL(behav || prox) over tokens sampled by exactly this version;
 None when there are none), reward_mean, adv_abs_mean. A supervised update
 (Train.objective "sft", what `python -m areal_aio sft` sends) reports SFT_STATS only.
@@ -83,7 +85,8 @@ HEAD_CHECK_ATOL = 1e-4
 model's logits are exactly lm_head(last hidden) (no scaling we do not know about)."""
 
 
-SFT_STATS = ("loss", "entropy", "grad_norm", "tokens", "computed_tokens", "seqs", "seconds", "publish_s")
+SFT_STATS = ("loss", "entropy", "grad_norm", "tokens", "computed_tokens", "seqs", "seconds", "publish_s",
+             "reduce_s")
 """The stats of a supervised update (loss: the token-mean negative log-likelihood)."""
 
 
@@ -267,10 +270,11 @@ class Trainer:
 
     def _micro_batches(self, samples: list[wire.TrainSample], lo: int, hi: int,
                        adv: torch.Tensor) -> list[MicroBatch]:
-        """samples[lo:hi] in token-budget micro-batches, packed when prompts are shared."""
+        """samples[lo:hi] in token-budget micro-batches, packed when prompts are shared: this
+        rank's share of them (all, with one rank)."""
         return plan_micro_batches(samples, lo, hi, adv, packed=self.share_prompts,
                                   max_tokens=self.cfg.micro_tokens, pad_id=self.pad_id,
-                                  device=self.device)
+                                  device=self.device, part=self.ranks.rank, parts=self.ranks.world)
 
     def train(self, msg: wire.Train) -> wire.Trained:
         """One PPO-family update on msg.samples, then publish v<version+1> and return Trained.
@@ -297,10 +301,12 @@ class Trainer:
         # decoupled ratio is exactly 1, even under bf16.
         n_mini = min(cfg.minibatches, len(samples))
         bounds = [round(k * len(samples) / n_mini) for k in range(n_mini + 1)]
-        plan: list[list[MicroBatch]] = []
+        # per mini-batch: this rank's micro-batches, and the completion tokens of all ranks
+        mine: list[list[MicroBatch]] = []
+        totals: list[int] = []
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            plan.append(self._micro_batches(samples, lo, hi, adv))
-        mine = [self.ranks.share(mini) for mini in plan]  # every rank holds the whole plan
+            mine.append(self._micro_batches(samples, lo, hi, adv))
+            totals.append(sum(len(samples[i].completion_ids) for i in range(lo, hi)))
 
         # pi_prox is this version's policy. The first mini-batch trains on exactly these
         # weights, so its own forward is pi_prox (detached: ratio 1; skipping the second
@@ -320,8 +326,9 @@ class Trainer:
         prox_s = time.perf_counter() - t_prox
 
         stats = _Stats(self.device)
-        for k, (mini, own) in enumerate(zip(plan, mine, strict=True)):
-            total = sum(mb.tokens for mb in mini)  # of all ranks: the normalisation of one rank
+        reduce_s = 0.0
+        for k, (own, total) in enumerate(zip(mine, totals, strict=True)):
+            # total: of all ranks, the normalisation of one rank
             if total == 0:
                 continue
             self.opt.zero_grad(set_to_none=True)
@@ -347,7 +354,9 @@ class Trainer:
                 loss_sum = loss_sum + loss.detach().double()
                 stats.add(st, entropy, kl)
                 del logp, entropy, tok_loss, loss
+            t_reduce = time.perf_counter()
             self.ranks.all_reduce_grads(self.params)  # summed, not averaged: see data_parallel
+            reduce_s += time.perf_counter() - t_reduce
             max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
             self.opt.step()
@@ -362,7 +371,7 @@ class Trainer:
         self.version += 1
 
         out = self._summary(samples, mine, prox, stats, adv, rewards, objective)
-        out.update(seconds=time.perf_counter() - t0, prox_s=prox_s, publish_s=publish_s)
+        out.update(seconds=time.perf_counter() - t0, prox_s=prox_s, publish_s=publish_s, reduce_s=reduce_s)
         if cfg.kl_coef <= 0 or sft:
             out.pop("kl")
         if sft:  # ratios, weights and rewards mean nothing here
