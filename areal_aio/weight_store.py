@@ -149,7 +149,7 @@ class WeightStore:
             raise
         return final
 
-    def put(self, version: int, data: bytes) -> Path:
+    def put(self, version: int, data: bytes | memoryview | Any) -> Path:
         """Store a published file's bytes (shipped from the trainer's node) as v<version>,
         atomically like `publish`; returns the path."""
         final, tmp = self.path(version), self.root / f".v{version}.tmp"

@@ -1,0 +1,32 @@
+"""bench/ray_handoff.py runs end to end in --quick mode on a private local Ray cluster: three
+rollout workers (local, a Ray actor, a Ray actor whose weights are shipped), each loading every
+version the trainer's actor publishes; it leaves no Ray connection and no /dev/shm folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray")
+
+
+def test_ray_handoff_quick(tmp_path, capsys) -> None:
+    from areal_aio.weight_store import SHM_BASE
+    from bench import ray_handoff
+
+    before = set(SHM_BASE.iterdir()) if SHM_BASE.is_dir() else set()
+    assert ray_handoff.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert "shipped" in capsys.readouterr().out
+    res = json.loads((tmp_path / "ray_handoff.json").read_text())
+    rows = {r["worker"]: r for r in res["rows"]}
+    assert set(rows) == set(ray_handoff.WORKERS)
+    for r in rows.values():
+        assert len(r["handoff_all"]) == res["versions"] == 2 and min(r["handoff_all"]) > 0
+        assert r["tokens_per_s"] > 0
+    assert res["file_bytes"] > 0 and rows["local"]["handoff_vs_local"] == 1.0
+    assert (tmp_path / "ray_handoff.png").stat().st_size > 1000
+    assert not ray.is_initialized()
+    after = set(SHM_BASE.iterdir()) if SHM_BASE.is_dir() else set()
+    assert after <= before
