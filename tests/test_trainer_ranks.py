@@ -134,3 +134,24 @@ async def test_killing_rank_1_mid_run_stops_the_run_naming_it(tmp_path):
     assert not orch.store.root.exists()
     summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
     assert "rank 1" in summary["error"]
+
+
+@pytest.mark.slow
+async def test_a_checkpoint_of_one_rank_resumes_on_two(tmp_path):
+    """Every rank loads the checkpoint's trainer part (optimizer state included; rank 0's
+    weights are broadcast), and the run goes on from its version."""
+    from areal_aio import checkpoint
+
+    folder = tmp_path / "run"
+    one = load_settings(ROOT / "settings.toml", TINY + ["trainer.devices=1", "run.max_steps=2",
+                                                        "run.checkpoint_every=2"])
+    assert (await Orchestrator(one, out_dir=folder).run())["steps"] == 2
+    settings = checkpoint.resume_settings(checkpoint.latest(folder), ["trainer.devices=2", "run.max_steps=4"])
+    orch = Orchestrator(settings, resume=folder)
+    summary = await orch.run()
+    assert summary["error"] is None and summary["steps"] == summary["final_version"] == 4
+    assert summary["resumes"][0]["step"] == 2 and isinstance(orch.trainer, TrainerRanks)
+    steps = [orjson.loads(x) for x in (folder / "steps.jsonl").read_bytes().splitlines()]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and all(r["loss"] == r["loss"] for r in steps)
+    assert {p.name for p in folder.glob("trainer-*.log")} == {"trainer-0.log", "trainer-1.log"}
+    assert not any(alive(p) for p in (orch.rollout.pid, *orch.trainer.pids))
