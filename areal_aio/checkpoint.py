@@ -31,7 +31,14 @@ from typing import IO, Any
 
 import orjson
 
-from areal_aio.settings import Settings, SettingsError, resolved_settings
+from areal_aio.settings import (
+    Settings,
+    SettingsError,
+    devices_value,
+    mode_presets,
+    parse_value,
+    resolved_settings,
+)
 
 FORMAT = 1
 """Checkpoint format version: bump it when the layout or controller.json changes meaning."""
@@ -210,9 +217,26 @@ def resume_settings(ckpt: Checkpoint, overrides: list[str] | tuple[str, ...] = (
             raise CheckpointError(f"--set {key}: cannot change on resume (it changes what is "
                                   f"trained); resumable keys: {', '.join(RESUMABLE)}")
     try:
-        return resolved_settings(ckpt.state["settings"], overrides)
+        return resolved_settings(ckpt.state["settings"], [*sync_threads(ckpt, overrides), *overrides])
     except SettingsError as exc:
         raise CheckpointError(f"settings error: {exc}") from None
+
+
+def sync_threads(ckpt: Checkpoint, overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """A sync run resumed with other devices: each role's threads preset again for its new
+    workers (settings.mode_presets), unless `overrides` give them; the checkpoint's were for
+    its own. Other modes keep their threads (no preset there)."""
+    saved = ckpt.state["settings"]
+    if saved["run"]["mode"] != "sync":
+        return []
+    given = {item.partition("=")[0].strip(): parse_value(item.partition("=")[2].strip()) for item in overrides}
+    keys = ("rollout.device", "rollout.devices", "trainer.device", "trainer.devices")
+    if not any(key in given for key in keys):
+        return []
+    devices = {key: given.get(key, saved[key.partition(".")[0]][key.partition(".")[2]]) for key in keys}
+    devices = {key: devices_value(key, v) if key.endswith("devices") else v for key, v in devices.items()}
+    return [f"{key}={value}" for key, value in mode_presets("sync", devices).items()
+            if key.endswith(".threads") and key not in given]
 
 
 def check_compatible(ckpt: Checkpoint, settings: Settings) -> None:

@@ -519,9 +519,8 @@ class Orchestrator:
         trained = await self.link.train(wire.Train(step, self.version, train_samples),
                                         (step, samples, stale, wait_s, time.perf_counter()))
         await self.rollout.send(wire.UpdateWeights(self.version, trained.path))
-        if self.settings.controller.on_interrupt == "restart":
-            for rid in list(self._requests):
-                await self.rollout.send(wire.Abort(rid))
+        if self.settings.controller.on_interrupt == "restart" and self._requests:
+            await self.rollout.send_many([wire.Abort(rid) for rid in self._requests])
 
     def _commit(self, record: tuple, trained: wire.Trained) -> None:
         """Advance the clock to a Trained version and record its step (the rollout workers are

@@ -49,10 +49,5 @@ def trainer_client(settings: Settings, folder: Path) -> WorkerClient:
     devices = settings.trainer_devices
     if devices == [settings.trainer.device]:
         return worker("trainer", 0, 1, settings, folder)
-    host = "127.0.0.1"
-    if settings.ray.address:  # other ranks may be on other nodes; rank 0 is on this one
-        import ray
-
-        host = ray.util.get_node_ip_address()
     return TrainerRanks([worker("trainer", i, len(devices), settings, folder) for i in range(len(devices))],
-                        devices, host)
+                        devices)

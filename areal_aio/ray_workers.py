@@ -9,7 +9,7 @@ A Relay is the pipe at a distance: it runs the worker subprocess on its node, wr
 controller sends to the worker's stdin and hands back what the worker writes, unparsed. The
 worker loops, the wire and the controller do not know about Ray.
 
-Weights. The trainer's actor (rank 0) is pinned to the controller's node
+Weights. The trainer's actors (every rank) are pinned to the controller's node
 (NodeAffinitySchedulingStrategy), so v<N>.safetensors in the weight store, model/, best/ and
 checkpoints are written where the controller reads and removes them, as in a local run. A
 rollout actor on another node (every rollout actor with ray.ship_weights = "always") has a
@@ -153,6 +153,7 @@ class RayWorker:
         devices = settings.rollout_devices if role == "rollout" else settings.trainer_devices
         self.threads = settings.rollout.threads if role == "rollout" else settings.trainer.threads
         self.gpu = str(devices[index]).startswith("cuda")
+        self.gpus = gpu_share(devices[index], settings) if self.gpu else 0.0
         self.address, self.ship = settings.ray.address, settings.ray.ship_weights
         self.cpus = (len(settings.rollout_devices) * settings.rollout.threads
                      + len(settings.trainer_devices) * settings.trainer.threads)
@@ -184,10 +185,12 @@ class RayWorker:
 
     async def _start(self, init: wire.Init) -> wire.Ready:
         here = ray.get_runtime_context().get_node_id()
-        options: dict[str, Any] = {"num_cpus": self.threads, "num_gpus": int(self.gpu)}
-        if self.role == "trainer" and self.index == 0:  # it writes the run folder and the store
-            options.update(name=trainer_name(init.shm_dir),
-                           scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
+        options: dict[str, Any] = {"num_cpus": self.threads, "num_gpus": self.gpus}
+        if self.role == "trainer":  # rank 0 writes the run folder and the store; every rank
+            # reads the store folder and a resume's checkpoint there: all on the controller's node
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
+            if self.index == 0:
+                options["name"] = trainer_name(init.shm_dir)
         self.actor = Relay.options(**options).remote()
         node = await self._call(self.actor.node.remote())
         self.shipped = self.role == "rollout" and (self.ship == "always" or node != here)
@@ -313,6 +316,16 @@ class Cluster:
         if cls.users == 0 and cls.owned:
             cls.owned = False
             ray.shutdown()
+
+
+def gpu_share(device: str, settings: Settings) -> float:
+    """The GPU a worker asks Ray for: 1, or 1/k when k workers of the run name its device (a
+    rollout worker and the trainer on one GPU, the usual one-GPU layout, ask for half each)."""
+    def same(dev: str) -> str:
+        return "cuda:0" if dev == "cuda" else dev
+
+    named = [same(d) for d in (*settings.rollout_devices, *settings.trainer_devices)]
+    return 1.0 / named.count(same(device))
 
 
 def trainer_name(shm_dir: str) -> str:

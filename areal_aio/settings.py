@@ -321,6 +321,13 @@ class Settings:
         for key, dev in (("rollout.device", self.rollout.device), ("trainer.device", self.trainer.device)):
             if not _is_device(dev):
                 raise SettingsError(f"{key}: {dev!r} not allowed; use cpu, cuda or cuda:N")
+        ranks = self.trainer.devices
+        if len({dev.partition(":")[0] for dev in ranks}) > 1:
+            raise SettingsError(f"trainer.devices: {ranks} mixes cpu and cuda; the ranks share one "
+                                f"backend (gloo on cpu, NCCL on cuda), so give all cpu or all cuda:N")
+        gpus = ["cuda:0" if dev == "cuda" else dev for dev in ranks if dev != "cpu"]
+        if len(set(gpus)) < len(gpus):
+            raise SettingsError(f"trainer.devices: {ranks} names a GPU twice; NCCL takes one rank per GPU")
 
     @property
     def eta(self) -> float:
@@ -440,7 +447,7 @@ def build_settings(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] =
         key, sep, text = item.partition("=")
         if not sep:
             raise SettingsError(f"--set {item!r}: expected section.key=value")
-        explicit[key.strip()] = _parse_value(text.strip())
+        explicit[key.strip()] = parse_value(text.strip())
     for key in explicit:
         _check_key(key)
     for key in flat:
@@ -504,7 +511,7 @@ def _unknown(key: str, valid: list[str], what: str) -> str:
     return f"unknown settings {what} {key!r}{hint}"
 
 
-def _parse_value(text: str) -> Any:
+def parse_value(text: str) -> Any:
     """An override's value, read as a TOML value where it parses, else as a bare string."""
     try:
         return tomllib.loads(f"v = {text}")["v"]

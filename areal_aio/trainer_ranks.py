@@ -46,12 +46,9 @@ class TrainerRanks:
 
     role = "trainer"
 
-    def __init__(self, ranks: list[WorkerClient], devices: list[str], host: str = "127.0.0.1") -> None:
-        """`host`: where the other ranks reach rank 0's store (this machine's address when ranks
-        may run on other machines: rank 0 always runs on the controller's)."""
+    def __init__(self, ranks: list[WorkerClient], devices: list[str]) -> None:
         self.ranks = ranks
         self.devices = devices
-        self.host = host
         self._inbox: list[deque] = [deque() for _ in ranks]  # replies read, not yet handed over
         self._reads: list[asyncio.Task | None] = [None] * len(ranks)  # one pending recv per rank
         self._ended = [False] * len(ranks)  # the rank's stream ended (None read)
@@ -70,7 +67,7 @@ class TrainerRanks:
 
     async def start(self, init: wire.Init) -> wire.Ready:
         """Start every rank at once: rank i on devices[i], all in one process group."""
-        addr = f"tcp://{self.host}:{free_port()}"
+        addr = f"tcp://127.0.0.1:{free_port()}"  # every rank runs on this machine (Ray: pinned)
         world = len(self.ranks)
 
         def init_of(i: int) -> wire.Init:
@@ -150,12 +147,14 @@ class TrainerRanks:
 
     async def stop(self) -> None:
         """Stop every rank at once; none outlives this call."""
-        await asyncio.gather(*(rank.stop() for rank in self.ranks))
-        reads = [t for t in self._reads if t is not None]
-        for task in reads:
-            task.cancel()
-        await asyncio.gather(*reads, return_exceptions=True)
-        self._reads = [None] * len(self.ranks)
+        try:
+            await asyncio.gather(*(rank.stop() for rank in self.ranks))
+        finally:
+            reads = [t for t in self._reads if t is not None]
+            for task in reads:
+                task.cancel()
+            await asyncio.gather(*reads, return_exceptions=True)
+            self._reads = [None] * len(self.ranks)
 
     async def _each(self, indices: Any, call: Callable[[int], Awaitable[Any]]) -> list[Any]:
         """call(i) for each rank index at once, results in order; the first failure (naming its

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from pathlib import Path
 
 import orjson
 import pytest
@@ -163,3 +164,20 @@ async def test_keep_best_exports_the_version_with_the_best_eval(tmp_path):
     best_save = next(s for s in trainer.saves if s.path.endswith(".best.tmp"))
     assert best_save.weights.endswith("v2.safetensors") or best_save.weights == ""
     assert orjson.loads((folder / "model" / "areal_aio.json").read_bytes())["version"] == 6
+
+
+def test_a_sync_run_resumed_on_other_devices_shares_the_cores_again(monkeypatch) -> None:
+    """The checkpoint's thread counts were preset for its own workers."""
+    from areal_aio import settings as settings_module
+
+    monkeypatch.setattr(settings_module, "cpu_cores", lambda: 8)
+    saved = settings_module.load_settings(None, ["run.mode=sync"])
+    assert (saved.rollout.threads, saved.trainer.threads) == (8, 8)
+    ckpt = checkpoint.Checkpoint(Path("ckpt"), 1, 1, {"settings": saved.to_dict()})
+    s = checkpoint.resume_settings(ckpt, ["rollout.devices=4"])
+    assert (s.rollout.threads, s.trainer.threads) == (2, 8)
+    assert checkpoint.resume_settings(ckpt, ["rollout.devices=4", "rollout.threads=3"]).rollout.threads == 3
+    assert checkpoint.resume_settings(ckpt, ["run.max_steps=9"]).rollout.threads == 8  # devices unchanged
+    areal = settings_module.load_settings(None, ["rollout.threads=1"])
+    ckpt = checkpoint.Checkpoint(Path("ckpt"), 1, 1, {"settings": areal.to_dict()})
+    assert checkpoint.resume_settings(ckpt, ["rollout.devices=2"]).rollout.threads == 1  # no preset there

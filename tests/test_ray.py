@@ -125,3 +125,14 @@ async def test_a_killed_actor_stops_the_run_with_its_name(tmp_path, leaves_nothi
     summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
     assert "its Ray actor died" in summary["error"]
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()  # the trainer kept the run
+
+
+def test_workers_naming_one_gpu_share_it() -> None:
+    from areal_aio.ray_workers import gpu_share
+    from areal_aio.settings import build_settings
+
+    one_gpu = build_settings({}, ["rollout.device=cuda", "trainer.device=cuda:0"])
+    assert gpu_share("cuda", one_gpu) == 0.5  # the usual layout fits one GPU
+    several = build_settings({}, ['rollout.devices=["cuda:0", "cuda:0", "cuda:1"]', 'trainer.devices=["cuda:1"]'])
+    assert gpu_share("cuda:0", several) == 0.5 and gpu_share("cuda:1", several) == 0.5
+    assert gpu_share("cuda:1", build_settings({}, ['trainer.devices=["cuda:0", "cuda:1"]'])) == 1.0

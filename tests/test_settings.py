@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_aio import settings as settings_module
 from areal_aio.settings import (
     Settings,
     SettingsError,
@@ -222,3 +223,25 @@ def test_ray_workers_need_the_ray_extra_and_a_node_of_the_cluster(monkeypatch):
     if importlib.util.find_spec("ray") is not None:
         with pytest.raises(SettingsError, match="ray:// .* not supported"):
             build_settings({"ray": {"address": "ray://head:10001"}})
+
+
+def test_devices_take_a_list_or_a_count_of_cpu_workers() -> None:
+    s = load_settings(None, ["rollout.devices=3", 'trainer.devices=["cuda:0", "cuda:1"]'])
+    assert s.rollout_devices == ["cpu"] * 3 and s.trainer_devices == ["cuda:0", "cuda:1"]
+    assert load_settings(None).rollout_devices == ["cpu"] and load_settings(None).trainer_devices == ["cpu"]
+    assert load_settings(None, ['rollout.devices=["cuda:0", "cuda:0"]']).rollout_devices == ["cuda:0"] * 2
+    for bad, message in (("rollout.devices=0", "must be >= 1"), ('rollout.devices=["gpu"]', "'gpu' not allowed"),
+                         ('trainer.devices="cpu"', "a list of devices or a count"),
+                         ('trainer.devices=["cuda:0", "cpu"]', "mixes cpu and cuda"),
+                         ('trainer.devices=["cuda", "cuda:0"]', "names a GPU twice")):
+        with pytest.raises(SettingsError, match=message):
+            load_settings(None, [bad])
+
+
+def test_sync_shares_the_cores_among_the_workers_of_a_role(monkeypatch) -> None:
+    monkeypatch.setattr(settings_module, "cpu_cores", lambda: 8)
+    s = load_settings(None, ["run.mode=sync", "rollout.devices=4", "trainer.devices=3"])
+    assert (s.rollout.threads, s.trainer.threads) == (2, 2)  # 8 // 4, 8 // 3
+    s = load_settings(None, ["run.mode=sync", 'trainer.devices=["cuda:0", "cuda:1"]'])
+    assert (s.rollout.threads, s.trainer.threads) == (8, 1)  # GPU ranks: no preset
+    assert load_settings(None, ["run.mode=sync", "rollout.devices=16"]).rollout.threads == 1

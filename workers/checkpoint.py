@@ -74,8 +74,10 @@ def load_state(trainer: Any, folder: Path) -> None:
     trainer.opt.load_state_dict(opt_state)
     rng = torch.load(folder / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    if "cuda" in rng and torch.cuda.is_available():  # the GPUs this process sees now (a resume
+        # inside a Ray actor sees one): as many of the saved states as there are GPUs
+        for i, state in enumerate(rng["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, i)
     trainer.version = version
 
 

@@ -31,10 +31,11 @@ import torch
 
 from areal_aio import wire
 
-DIST_TIMEOUT_S = 300.0
-"""How long a collective (or the start's rendezvous) waits for the other ranks. Ranks reach each
-reduction a micro-batch apart at most, and a rank that dies ends its pipe at once (the
-controller stops the rest), so this only bounds a hang nobody else sees."""
+DIST_TIMEOUT_S = 600.0
+"""How long the start's rendezvous (or a collective) waits for the other ranks: as long as the
+controller waits for a worker to be ready (client.READY_TIMEOUT_S), since a rank may start
+that much later than rank 0 (a Ray actor waiting for resources). A rank that dies ends its
+pipe at once and the controller stops the rest, so this only bounds a hang nobody else sees."""
 
 
 class Ranks:
