@@ -12,6 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 from test_controller import make_settings, orchestrator
+from test_faults import alive
 
 from areal_aio import wire
 from areal_aio.client import WorkerFailed
@@ -91,14 +92,6 @@ async def test_ranks_that_disagree_on_the_step_are_a_failure(tmp_path):
 TINY = ["model.path=embedded:tiny-random", "rollout.max_new_tokens=12", "rollout.group_size=4",
         "trainer.batch_size=8", "task.eval_size=8", "task.eval_every=2", "run.progress=false",
         "trainer.bf16=off", "controller.reward_procs=0", "run.mode=sync", "trainer.devices=2"]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 @pytest.mark.slow
