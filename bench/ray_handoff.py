@@ -25,6 +25,7 @@ without the network.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
 import tempfile
@@ -82,11 +83,10 @@ async def measure(args: argparse.Namespace, spec: str) -> dict[str, Any]:
     # one private cluster for the three actors (a run's "local" cluster is sized for its own two)
     ray.init(num_cpus=3 * threads, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     try:
-        # the trainer's actor first: a shipped worker's bytes come from it
-        for name, client in clients.items():
-            role = "trainer" if name == "trainer" else "rollout"
-            print(f"starting {name}", file=sys.stderr, flush=True)
-            await client.start(wire.Init(role, settings[name].to_dict(), str(store.root)))
+        print(f"starting {', '.join(clients)}", file=sys.stderr, flush=True)
+        await asyncio.gather(*(client.start(wire.Init("trainer" if name == "trainer" else "rollout",
+                                                      settings[name].to_dict(), str(store.root)))
+                               for name, client in clients.items()))  # starting is not timed
         batch = make_batch(len(load_tokenizer(spec)), reply_lengths("mixed", 16))
         for version in range(1, args.versions + 1):
             await clients["trainer"].send(wire.Train(version, version - 1, batch))

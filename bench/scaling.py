@@ -114,9 +114,10 @@ async def measure(args: argparse.Namespace, spec: str) -> dict[str, Any]:
                 (folder / f"{role}-{n}").mkdir()
                 configs.append({"role": role, "workers": n, "threads_each": threads, "settings": s,
                                 "client": client, "version": 0, "runs": []})
-        for c in configs:  # one after another: loading two models at once on a busy box times nothing useful
-            print(f"starting {c['role']} x{c['workers']} ({c['threads_each']} threads each)", file=sys.stderr)
-            await c["client"].start(wire.Init(c["role"], c["settings"].to_dict(), str(store.root)))
+        names = ", ".join(f"{c['role']} x{c['workers']}" for c in configs)
+        print(f"starting {names}", file=sys.stderr)
+        await asyncio.gather(*(c["client"].start(wire.Init(c["role"], c["settings"].to_dict(), str(store.root)))
+                               for c in configs))  # starting is not timed
         tok = load_tokenizer(spec)
         batch = make_batch(len(tok), reply_lengths("mixed", TRAIN_SEQS))
         for rep in range(-1, args.repeats):  # rep -1: warm-up, not recorded

@@ -242,9 +242,9 @@ def test_controller_overhead_quick_reports_a_positive_rate(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def bench(script: str, out: Path) -> subprocess.CompletedProcess:
+def bench(script: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, f"bench/{script}.py", "--quick", "--out", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, f"bench/{script}.py", "--quick", "--out", str(out), *extra], cwd=REPO,
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -268,10 +268,10 @@ def test_time_to_threshold_and_staleness_ablation_quick_end_to_end(tmp_path):
     assert {r["status"] for r in json.loads((out / "results.json").read_text())["runs"]} == {"reused"}
 
     out = tmp_path / "ablation"
-    proc = bench("staleness_ablation", out)
+    proc = bench("staleness_ablation", out, "--etas", "0,-1")  # the bounded eta of --quick: a run too many here
     res = json.loads((out / "results.json").read_text())
     rows = {(r["objective"], r["eta_label"]) for r in res["rows"]}
-    assert rows == {(o, e) for o in ("ppo", "decoupled_ppo") for e in ("0", "2", "inf")}
+    assert rows == {(o, e) for o in ("ppo", "decoupled_ppo") for e in ("0", "inf")}
     for r in res["rows"]:
         assert r["final_pass_mean"] is not None and r["train_tokens_per_s"] > 0
         assert r["steps"] == staleness_ablation.QUICK_STEPS

@@ -157,11 +157,11 @@ async def train(client: Any, settings: Any, shm: Path, batches: list[list[wire.T
 @pytest.mark.slow
 @pytest.mark.parametrize(("objective", "variant"), [
     ("", ("trainer.share_prompts=on", "trainer.micro_tokens=80", "trainer.minibatches=2", "trainer.kl_coef=0.1")),
-    # unpacked rows, a budget that holds each mini-batch in one micro-batch (dealt as rows)
-    ("", ("trainer.share_prompts=off", "trainer.micro_tokens=4096", "trainer.minibatches=2")),
-    ("", ("trainer.share_prompts=on", "trainer.micro_tokens=4096", "trainer.minibatches=6")),  # one group each
-    ("sft", ("trainer.share_prompts=on", "trainer.micro_tokens=80", "trainer.minibatches=1")),
-], ids=["packed-two-minibatches-kl", "rows-budget-of-one-micro-batch", "rank-1-idle", "sft"])
+    # unpacked rows, one sample per mini-batch: rank 1 gets no row and still takes every reduction
+    ("", ("trainer.share_prompts=off", "trainer.micro_tokens=4096", "trainer.minibatches=24")),
+    # the supervised objective; a budget that holds each mini-batch (2 groups) in one micro-batch
+    ("sft", ("trainer.share_prompts=on", "trainer.micro_tokens=4096", "trainer.minibatches=3")),
+], ids=["packed-two-minibatches-kl", "rows-rank-1-idle", "sft-budget-of-one-micro-batch"])
 async def test_two_gloo_ranks_reach_the_weights_of_one_rank(tmp_path, capsys, batches, objective, variant) -> None:
     t0 = time.perf_counter()
     base = (f"model.path={TINY}", f"run.seed={SEED}", "trainer.bf16=off", "trainer.lr=1e-3",
