@@ -32,6 +32,8 @@ SHUTDOWN_TIMEOUT_S = 10.0
 """A worker finishes its current chunk or step and exits well within this."""
 KILL_TIMEOUT_S = 3.0
 LOG_TAIL_BYTES = 4000
+SEND_FAILURE_WAIT_S = 2.0
+"""How long a failed write waits for the worker's exit code before naming the closed pipe."""
 
 
 class WorkerFailed(RuntimeError):
@@ -124,7 +126,17 @@ class PipeWorker:
             self.proc.stdin.write(b"".join([wire.encode(msg) for msg in msgs]))
             await self.proc.stdin.drain()
         except (BrokenPipeError, ConnectionResetError):
-            raise WorkerFailed(self.role, "pipe closed while sending", self.log_tail()) from None
+            raise await self.send_failure() from None
+
+    async def send_failure(self) -> WorkerFailed:
+        """A write found the pipe closed: the worker is exiting or gone. Name its exit code, as
+        the reader would, once the process has it (a dying process closes its pipe first)."""
+        assert self.proc is not None
+        try:
+            await asyncio.wait_for(self.proc.wait(), SEND_FAILURE_WAIT_S)
+        except TimeoutError:
+            return WorkerFailed(self.role, "pipe closed while sending", self.log_tail())
+        return worker_failed(self.role, None, self.proc.returncode, self.log_tail())
 
     async def recv(self) -> Any | None:
         assert self.proc is not None and self.proc.stdout is not None

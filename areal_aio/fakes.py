@@ -71,7 +71,7 @@ class _FakeWorker:
 
     def _alive(self) -> None:
         if self.returncode is not None:
-            raise WorkerFailed(self.role, "pipe closed while sending")
+            raise worker_failed(self.role, None, self.returncode)
 
     def failure(self, msg: Any) -> WorkerFailed:
         return worker_failed(self.role, msg, self.returncode)

@@ -275,7 +275,7 @@ async def test_a_killed_worker_ends_the_run_like_a_dead_subprocess(tmp_path, rol
     assert info.value.role == role and not orch.store.root.exists()
     summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
     assert "exited with code -9" in summary["error"] and summary["steps"] >= 2
-    with pytest.raises(WorkerFailed, match="pipe closed"):
+    with pytest.raises(WorkerFailed, match="exited with code -9"):
         await workers[role].send(wire.Shutdown())
 
 

@@ -149,7 +149,7 @@ async def test_a_dead_worker_is_named_and_stop_ends_them_all_and_every_reader():
     assert msg is None
     failure = pool.failure(msg)
     assert failure.role == "rollout 2" and "rollout 2 worker failed: exited with code -9" in str(failure)
-    with pytest.raises(WorkerFailed, match="rollout 2 worker failed: pipe closed"):
+    with pytest.raises(WorkerFailed, match="rollout 2 worker failed: exited with code -9"):
         await pool.send(wire.UpdateWeights(1, "v1.safetensors"))
     readers = list(pool._readers)
     await pool.stop()
