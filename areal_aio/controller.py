@@ -23,9 +23,9 @@
             every run.checkpoint_every steps a checkpoint -> checkpoints/step-N
     [monitor]  loop lag, queue depths, progress line, row flushing
 
-The rollout role is one WorkerClient however many workers it has (placement.py: one
-worker, or a RolloutPool that sends each group whole to its least-loaded worker, every
-version to all of them, and merges their replies); nothing here assumes one rollout worker.
+The rollout role is one RolloutPool however many workers it has (placement.py; a single
+worker is a pool of one): it sends each group whole to its least-loaded worker, every
+version to all of them, and merges their replies; nothing here assumes one rollout worker.
 Admission and staleness are global: one clock, one rule, whichever worker a group ran on.
 Each worker's requests, training tokens and idle fraction: the summary's rollout_workers_detail.
 
@@ -71,6 +71,7 @@ from areal_aio.progress import Progress
 from areal_aio.replay import Group, ReplayBuffer
 from areal_aio.reward_pool import RewardPoolBroken
 from areal_aio.rewards import Score, Scorer, load_rewards
+from areal_aio.rollout_pool import RolloutPool
 from areal_aio.runlog import RunLog
 from areal_aio.seeds import sample_seed
 from areal_aio.settings import Settings
@@ -151,7 +152,7 @@ class Orchestrator:
             self.folder = self._ckpt.path.parent.parent
             name = self.folder.name
         self._name = name
-        self.rollout = rollout or placement.rollout_client(settings, self.folder)
+        self.rollout = RolloutPool.of(rollout or placement.rollout_client(settings, self.folder))
         self.trainer = trainer or placement.trainer_client(settings, self.folder)
         # the admission rule's state (live, trained, version, capacity): areal_aio.staleness
         self.admission = Admission(self.B, self.eta, self.max_in_flight,
@@ -173,10 +174,9 @@ class Orchestrator:
         # the time none had work); how they share it is the pool's routing
         self._rollout_busy = Busy(lambda on: self.log.events.info("busy", worker="rollout", busy=on))
         self._trainer_busy = Busy(lambda on: self.log.events.info("busy", worker="trainer", busy=on))
-        # per rollout worker: its requests and tokens here, its busy time in the pool (one worker:
-        # the role's); counted afresh by a resumed run, whose rollout.devices may differ
+        # per rollout worker: its requests and tokens here (its busy time: the pool's); counted
+        # afresh by a resumed run, whose rollout.devices may differ
         self._shares: list[stats.WorkerShare] = []
-        self._rollout_busy_before = 0.0  # the role's busy seconds restored from a checkpoint
         # Train and Save requests, their replies, the step in flight: areal_aio.trainer_link
         self.link = TrainerLink(self.trainer, self._trainer_busy, self._commit)
         # checkpoints, resume, model/ and best/, the best eval: areal_aio.keeping
@@ -269,7 +269,7 @@ class Orchestrator:
         ready = await asyncio.gather(
             self.rollout.start(wire.Init("rollout", settings, str(self.store.root))),
             self.trainer.start(wire.Init("trainer", settings, str(self.store.root), resume)))
-        rollouts = getattr(self.rollout, "readies", None) or [ready[0]]  # a pool's: one per worker
+        rollouts = self.rollout.readies
         self._workers_up = True
         if ready[1].version != self.version:
             raise WorkerFailed("trainer", f"started at version {ready[1].version}, the checkpoint "
@@ -364,7 +364,7 @@ class Orchestrator:
             match msg:
                 case wire.Completion():
                     self._rollout_busy.down()
-                    share = self._shares[getattr(self.rollout, "source", 0)]  # a pool's: who answered
+                    share = self._shares[self.rollout.source]
                     share.requests += 1
                     if msg.request_id in self._eval_waiters:
                         self._eval_waiters.pop(msg.request_id).set_result(msg)
@@ -586,7 +586,6 @@ class Orchestrator:
         self._time_to_threshold = state["time_to_threshold"]
         self._max_trained_staleness = state["max_trained_staleness"]
         self._rollout_busy.total, self._trainer_busy.total = state["busy"]["rollout"], state["busy"]["trainer"]
-        self._rollout_busy_before = self._rollout_busy.total
         self._redispatch = [(g["group"], Task(**g["task"])) for g in state["open_groups"]]
         self._process.restore(state.get("process"))
 
@@ -666,9 +665,7 @@ class Orchestrator:
     # ------------------------------------------------------------------ summary
 
     def _summarize(self, error: BaseException | None) -> dict:
-        pool = getattr(self.rollout, "busy", None)  # a RolloutPool's: one Busy per worker
-        busy = ([b.seconds() for b in pool] if pool is not None
-                else [self._rollout_busy.seconds() - self._rollout_busy_before])
+        busy = [b.seconds() for b in self.rollout.busy]
         wall = time.perf_counter() - self._t0 if self._t0 else 0.0  # after `busy`: never below it
         detail = stats.worker_rows(self._shares, busy, wall - self._spent) if self._shares else []
         return stats.summarize(

@@ -11,7 +11,8 @@
 Admission and staleness stay in the controller: the pool only decides where a request runs.
 The death of any worker (Error, end of stream, or a send that fails) is handed on as it is
 and named by `failure` ("rollout 1"); the controller then stops the run and `stop` stops them
-all. Worker i gets Init rank i, world N and its own device in settings' rollout.device.
+all. A pool of one worker is that worker under its plain name (the controller holds a pool
+however many workers the role has). Worker i gets Init rank i, world N and its own device in settings' rollout.device.
 Per worker, the pool keeps the time it had a request out (`busy`, for its idle fraction) and
 says which worker sent what `recv` returned last (`source`): the controller's per-worker counts.
 """
@@ -46,8 +47,18 @@ class RolloutPool:
         self._readers: list[asyncio.Task] = []
         self._source = 0  # the worker whose message `recv` returned last
 
+    @classmethod
+    def of(cls, client: WorkerClient) -> RolloutPool:
+        """`client` as a pool: itself if it is one, else a pool of that one worker."""
+        return client if isinstance(client, cls) else cls([client])
+
     def name(self, i: int) -> str:
-        return f"{self.role} {i}"
+        """How worker i is named in a failure: "rollout 1"; the only worker plain "rollout"."""
+        return self.role if len(self.workers) == 1 else f"{self.role} {i}"
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [getattr(w, "pid", None) for w in self.workers]
 
     async def prepare(self, model: str) -> float | None:
         """The workers share the model files: made ready once."""

@@ -58,7 +58,7 @@ async def test_each_mode_trains_a_few_steps(tmp_path, mode):
     assert all(r["loss"] == r["loss"] for r in steps)  # no NaN
     mismatch = [r["mismatch_kl"] for r in steps if r.get("mismatch_kl") is not None]
     assert mismatch and max(mismatch) < 1e-4  # fp32: both workers compute the same log-probs
-    assert not any(alive(p) for p in (orch.rollout.pid, orch.trainer.pid))
+    assert not any(alive(p) for p in (*orch.rollout.pids, orch.trainer.pid))
     assert not orch.store.root.exists()
 
 
@@ -74,7 +74,7 @@ async def test_killed_trainer_stops_the_run_and_leaves_nothing(tmp_path):
     with pytest.raises(WorkerFailed, match="trainer worker failed"):
         await asyncio.wait_for(run, 30)
     assert time.perf_counter() - t0 < 15
-    assert not alive(orch.rollout.pid) and not alive(orch.trainer.pid)
+    assert not any(alive(p) for p in orch.rollout.pids) and not alive(orch.trainer.pid)
     assert not orch.store.root.exists()
     summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
     assert "trainer worker failed" in summary["error"]
@@ -82,7 +82,7 @@ async def test_killed_trainer_stops_the_run_and_leaves_nothing(tmp_path):
 
 def pids(orch: Orchestrator) -> list[int]:
     """Every worker process of a run on two rollout workers."""
-    return [w.pid for w in orch.rollout.workers] + [orch.trainer.pid]
+    return list(orch.rollout.pids) + [orch.trainer.pid]
 
 
 async def test_two_rollout_workers_share_the_run_and_each_loads_every_version(tmp_path):
@@ -126,7 +126,7 @@ async def test_crash_inside_a_worker_reaches_the_controller_with_its_traceback(t
     with pytest.raises(WorkerFailed) as info:
         await orch.run()
     assert "Traceback" in str(info.value)
-    assert not any(alive(p) for p in (orch.rollout.pid, orch.trainer.pid) if p)
+    assert not any(alive(p) for p in (*orch.rollout.pids, orch.trainer.pid) if p)
 
 
 def test_cli_run_and_ctrl_c(tmp_path):

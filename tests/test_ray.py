@@ -102,7 +102,7 @@ async def test_a_run_of_ray_actors_trains_exactly_like_the_local_run(tmp_path, l
         watcher.cancel()
     print(f"ray run: {time.perf_counter() - t0:.1f}s, cold start {summary['cold_start_s']}s")
     assert summary["steps"] == summary["final_version"] == 3 and summary["error"] is None
-    assert orch.rollout.shipped and shipped >= {"v2.safetensors"}  # v3 may come and go between looks
+    assert orch.rollout.workers[0].shipped and shipped >= {"v2.safetensors"}  # v3 may come and go between looks
     rows = trained(tmp_path / "ray")
     assert rows == trained(tmp_path / "local") and len(rows) == 3 * 8
     assert len({r[3] for r in rows}) > 1  # a dense reward: the updates moved the weights
@@ -117,7 +117,7 @@ async def test_a_killed_actor_stops_the_run_with_its_name(tmp_path, leaves_nothi
     while orch.step < 1:
         await asyncio.sleep(0.1)
         assert not task.done()
-    ray.kill(orch.rollout.actor)
+    ray.kill(orch.rollout.workers[0].actor)
     t0 = time.perf_counter()
     with pytest.raises(WorkerFailed, match="rollout worker failed: its Ray actor died"):
         await asyncio.wait_for(task, 60)

@@ -105,7 +105,7 @@ async def test_a_sync_run_on_two_gloo_ranks_trains_and_leaves_nothing(tmp_path):
     assert [r["tokens"] > 0 and r["loss"] == r["loss"] for r in steps] == [True] * 3
     assert (tmp_path / "run" / "model" / "model.safetensors").exists()
     assert {p.name for p in (tmp_path / "run").glob("trainer-*.log")} == {"trainer-0.log", "trainer-1.log"}
-    assert not any(alive(p) for p in (orch.rollout.pid, *orch.trainer.pids))
+    assert not any(alive(p) for p in (*orch.rollout.pids, *orch.trainer.pids))
     assert not orch.store.root.exists()
 
 
@@ -123,7 +123,7 @@ async def test_killing_rank_1_mid_run_stops_the_run_naming_it(tmp_path):
     with pytest.raises(WorkerFailed, match="trainer worker failed: rank 1: (exited with code -9|closed its pipe)"):
         await asyncio.wait_for(run, 30)
     assert time.perf_counter() - t0 < 15
-    assert not any(alive(p) for p in (orch.rollout.pid, *orch.trainer.pids))
+    assert not any(alive(p) for p in (*orch.rollout.pids, *orch.trainer.pids))
     assert not orch.store.root.exists()
     summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
     assert "rank 1" in summary["error"]
@@ -147,4 +147,4 @@ async def test_a_checkpoint_of_one_rank_resumes_on_two(tmp_path):
     steps = [orjson.loads(x) for x in (folder / "steps.jsonl").read_bytes().splitlines()]
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and all(r["loss"] == r["loss"] for r in steps)
     assert {p.name for p in folder.glob("trainer-*.log")} == {"trainer-0.log", "trainer-1.log"}
-    assert not any(alive(p) for p in (orch.rollout.pid, *orch.trainer.pids))
+    assert not any(alive(p) for p in (*orch.rollout.pids, *orch.trainer.pids))
