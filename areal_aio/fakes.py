@@ -48,9 +48,15 @@ def policy_continuation(msg: wire.Generate, version: int) -> str:
 def prompt_ids(msg: wire.Generate) -> list[int]:
     """Stand-in token ids of what the real worker feeds the model: the chat (the task's turns,
     or the prompt as one user turn), then any reply prefix; one id per UTF-8 byte."""
-    turns = msg.messages or [{"role": "user", "content": msg.prompt}]
-    text = "".join(f"<{t['role']}>{t['content']}\n" for t in turns) + "<assistant>" + msg.prefix
-    return list(text.encode())
+    if not msg.messages:  # the common case, and a group's samples share it: tokenized once
+        return list(_prompt_bytes(msg.prompt, msg.prefix))
+    text = "".join(f"<{t['role']}>{t['content']}\n" for t in msg.messages)
+    return list((text + "<assistant>" + msg.prefix).encode())
+
+
+@functools.lru_cache(maxsize=4096)
+def _prompt_bytes(prompt: str, prefix: str) -> bytes:
+    return f"<user>{prompt}\n<assistant>{prefix}".encode()
 
 
 KILLED = -9

@@ -77,8 +77,9 @@ class RolloutPool:
         self.readies = list(results)
         if len({r.version for r in self.readies}) > 1:
             raise WorkerFailed(self.role, f"workers started at versions {[r.version for r in self.readies]}")
-        self._readers = [asyncio.create_task(self._read(i), name=f"{self.name(i)} reader")
-                         for i in range(world)]
+        if world > 1:  # the only worker is read by `recv` itself: no task, no queue hop
+            self._readers = [asyncio.create_task(self._read(i), name=f"{self.name(i)} reader")
+                             for i in range(world)]
         first = self.readies[0]
         return wire.Ready(role=self.role, pid=first.pid, load_s=max(r.load_s for r in self.readies),
                           device=", ".join(r.device for r in self.readies), version=first.version)
@@ -125,15 +126,23 @@ class RolloutPool:
             except Exception as exc:  # noqa: BLE001 - a broken pipe is the controller's to raise
                 await self._inbox.put((i, exc))
                 return
-            if isinstance(msg, wire.Completion) and self._owner.pop(msg.request_id, None) is not None:
-                self._load[i] -= 1
-                self.busy[i].down()
+            self._arrived(i, msg)
             await self._inbox.put((i, msg))
             if msg is None or isinstance(msg, wire.Error):
                 return
 
+    def _arrived(self, i: int, msg: Any) -> None:
+        """A Completion frees its slot on worker i."""
+        if isinstance(msg, wire.Completion) and self._owner.pop(msg.request_id, None) is not None:
+            self._load[i] -= 1
+            self.busy[i].down()
+
     async def recv(self) -> Any | None:
         """The next message of any worker; None or an Error: that worker is gone (`failure`)."""
+        if len(self.workers) == 1:
+            msg = await self.workers[0].recv()
+            self._arrived(0, msg)
+            return msg
         self._source, msg = await self._inbox.get()
         if isinstance(msg, Exception):
             raise msg

@@ -20,6 +20,8 @@ here, so the controller can compute seeds.
 
 from __future__ import annotations
 
+import functools
+
 MASK64 = (1 << 64) - 1
 UNIFORM_BITS = 24
 """Bits of a uniform: a multiple of 2**-24 is exact in float32 and at most 1 - 2**-24, so
@@ -38,15 +40,26 @@ def mix64(x: int) -> int:
 
 def derive(*parts: int) -> int:
     """A seed from a tuple of non-negative integers (order matters), below 2**SEED_BITS."""
-    h = 0
+    return _chain(0, parts) >> (64 - SEED_BITS)
+
+
+def _chain(h: int, parts: tuple[int, ...]) -> int:
+    """derive's 64-bit state after `parts`, starting from state h."""
     for part in parts:
         h = mix64(h ^ (part & MASK64))
-    return h >> (64 - SEED_BITS)
+    return h
+
+
+@functools.lru_cache(maxsize=1024)
+def _group_state(run_seed: int, group_id: int) -> int:
+    """The state the seeds of one group's samples share (computed once per group, not per sample)."""
+    return _chain(0, (run_seed, group_id))
 
 
 def sample_seed(run_seed: int, group_id: int, index: int, retry: int) -> int:
-    """The sampling seed of one training rollout: sample `index` of group `group_id`, attempt `retry`."""
-    return derive(run_seed, group_id, index, retry)
+    """The sampling seed of one training rollout: sample `index` of group `group_id`, attempt
+    `retry`; equal to derive(run_seed, group_id, index, retry)."""
+    return _chain(_group_state(run_seed, group_id), (index, retry)) >> (64 - SEED_BITS)
 
 
 def continuation_seed(run_seed: int, group_id: int, index: int, retry: int, step: int, j: int) -> int:
