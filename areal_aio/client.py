@@ -32,7 +32,7 @@ SHUTDOWN_TIMEOUT_S = 10.0
 """A worker finishes its current chunk or step and exits well within this."""
 KILL_TIMEOUT_S = 3.0
 LOG_TAIL_BYTES = 4000
-SEND_FAILURE_WAIT_S = 2.0
+SEND_FAILURE_WAIT_S = 10.0
 """How long a failed write waits for the worker's exit code before naming the closed pipe."""
 
 

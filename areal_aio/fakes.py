@@ -207,12 +207,17 @@ class FakeRollout(_FakeWorker):
         """`tokens` is where the fake's reply ends (its EOS); max_new_tokens can cut it first."""
         return "length" if msg.max_new_tokens <= self.tokens else "stop"
 
+    async def next_token(self, request_id: str, i: int, delay: float) -> None:
+        """Wait for token i of a request (override to tie a request to events, not to time):
+        `delay` each, or with none one yield before the first."""
+        if delay or not i:
+            await asyncio.sleep(delay)
+
     async def _generate(self, msg: wire.Generate) -> None:
         delay = self.token_delay(msg.request_id)
         versions = self._progress[msg.request_id] = []
-        for _ in range(min(self.tokens, msg.max_new_tokens)):
-            if delay or not versions:
-                await asyncio.sleep(delay)
+        for i in range(min(self.tokens, msg.max_new_tokens)):
+            await self.next_token(msg.request_id, i, delay)
             versions.append(self.version)
         text = self.answer(msg, versions[-1])
         self._running.pop(msg.request_id, None)

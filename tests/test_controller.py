@@ -169,13 +169,17 @@ async def test_areal_mode_overlaps(tmp_path):
 
 @pytest.mark.parametrize("workers", WORKERS)
 async def test_stale_groups_are_dropped_counted_and_release_admission(tmp_path, workers):
-    # Group 1 is slow: later groups fill the batches, and by the time group 1 is back (its
-    # oldest token from version 0, interrupted on the way) it is more than eta = 1 behind.
+    # Group 1 is slow: later groups fill the batches, and it comes back (its oldest token from
+    # version 0, interrupted on the way) only once the policy is at version 2: more than eta = 1
+    # behind. Tied to the clock, not to timing, so a loaded machine cannot reorder it.
     class SlowGroup(FakeRollout):
-        def token_delay(self, request_id):
-            return 0.005 if request_id.startswith("g1.") else 0.0
+        async def next_token(self, request_id, i, delay):
+            if request_id.startswith("g1.") and i:
+                while self.version < 2:
+                    await asyncio.sleep(0.001)
+            await super().next_token(request_id, i, delay)
 
-    _, rollout = rollouts(workers, lambda i: SlowGroup(tokens=20))  # group 1 takes ~0.1 s, the 8 steps ~0.24 s
+    _, rollout = rollouts(workers, lambda i: SlowGroup(tokens=20))
     trainer = FakeTrainer(step_delay_s=0.03)
     settings = make_settings("areal", **{"controller.max_staleness": 1, "run.max_steps": 8})
     summary = await orchestrator(tmp_path, settings, rollout=rollout, trainer=trainer).run()
@@ -302,7 +306,7 @@ async def test_event_stream_yields_steps_and_evals(tmp_path):
     consumer = asyncio.create_task(consume())
     await asyncio.sleep(0)
     await orch.run()
-    await asyncio.wait_for(consumer, 2)
+    await asyncio.wait_for(consumer, 10)
     assert seen.count("step") == 6 and "eval" in seen
 
 
@@ -310,7 +314,10 @@ async def test_external_stop_ends_after_current_step(tmp_path):
     orch = orchestrator(tmp_path, make_settings(**{"run.max_steps": 10_000}),
                         trainer=FakeTrainer(step_delay_s=0.005))
     run = asyncio.create_task(orch.run())
-    await asyncio.sleep(0.2)
+    for _ in range(2000):  # the first step, however slow the machine (10 s at most)
+        if orch.step >= 1 or run.done():
+            break
+        await asyncio.sleep(0.005)
     orch.stop()
     summary = await asyncio.wait_for(run, 10)
     assert 0 < summary["steps"] < 10_000 and summary["eval_curve"][-1]["step"] == summary["steps"]
@@ -398,7 +405,7 @@ async def test_a_trained_reply_after_its_step_was_cancelled_is_not_a_fault(tmp_p
     link._trained = loop.create_future()
     link._trained.set_result(reply)  # that step already has its reply
     with pytest.raises(WorkerFailed, match="unexpected Trained"):
-        await asyncio.wait_for(link.read(), 1)
+        await asyncio.wait_for(link.read(), 10)
 
 
 class RecordingRollout(FakeRollout):

@@ -146,7 +146,7 @@ def test_a_killed_worker_ends_the_run_with_one_line(tmp_path, capsys, role):
     assert code == 1, err
     line = last_line(err)
     # the pipe's end may be read before the exit code is known: either names the cause
-    assert re.match(rf"error: {role} worker failed: (exited with code -9|closed its pipe); see \S+error.log$",
+    assert re.match(rf"error: {role} worker failed: (exited with code -9|closed its pipe|pipe closed while sending); see \S+error.log$",
                     line), err
     assert "Traceback" not in err
     log = (run.folder / "error.log").read_text()

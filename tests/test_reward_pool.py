@@ -54,13 +54,13 @@ async def test_calls_run_in_pool_processes_and_return_values():
 
 
 async def test_a_hung_call_is_killed_at_its_timeout_and_its_process_replaced():
-    async with RewardPool(answer_len, procs=1, timeout_s=0.5) as pool:
+    async with RewardPool(answer_len, procs=1, timeout_s=2) as pool:  # room for a busy machine
         await pool.call(T, "warm")
         (first,) = pool.pids
         t0 = time.perf_counter()
         with pytest.raises(RewardCallFailed, match="timed out"):
             await pool.call(T, "hang")
-        assert time.perf_counter() - t0 < 5
+        assert time.perf_counter() - t0 < 10
         assert not alive(first)
         assert await pool.call(T, "ok") == 2.0
         assert pool.pids and pool.pids != [first]
@@ -74,9 +74,11 @@ async def test_a_dead_process_is_replaced_and_counted_as_a_break():
         assert await pool.call(T, "ok") == 2.0
         (pid,) = pool.pids
         os.kill(pid, signal.SIGKILL)  # killed while idle: found dead at its next call
-        while alive(pid):
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)
+        async def reaped() -> None:  # the pool knows once asyncio has its exit code
+            while pid in pool.pids:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(reaped(), 30)
         assert await pool.call(T, "ok") == 2.0  # a new process answers
         assert len(pool.breaks) == 2
 

@@ -107,9 +107,9 @@ async def test_a_worker_is_busy_while_it_holds_a_request_and_recv_says_which_wor
         assert [b.active for b in pool.busy] == [2, 0] and pool.busy[1].seconds() == 0.0
         await pool.send_many(generates("g1", 1))  # worker 1
         await pool.send(wire.Abort("g1.0"))
-        assert (await asyncio.wait_for(pool.recv(), 1)).request_id == "g1.0" and pool.source == 1
+        assert (await asyncio.wait_for(pool.recv(), 10)).request_id == "g1.0" and pool.source == 1
         await pool.send(wire.Abort("g0.1"))
-        assert (await asyncio.wait_for(pool.recv(), 1)).request_id == "g0.1" and pool.source == 0
+        assert (await asyncio.wait_for(pool.recv(), 10)).request_id == "g0.1" and pool.source == 0
         assert [b.active for b in pool.busy] == [1, 0] and pool.busy[1].total > 0.0
     finally:
         await pool.stop()
@@ -121,7 +121,7 @@ async def test_an_abort_reaches_only_the_worker_holding_it_and_an_unknown_one_no
         await pool.send_many(generates("g0", 2))
         await pool.send_many(generates("g1", 2))
         await pool.send_many([wire.Abort("g1.1"), wire.Abort("nobody")])
-        done = await asyncio.wait_for(pool.recv(), 1)
+        done = await asyncio.wait_for(pool.recv(), 10)
         assert done.request_id == "g1.1" and done.finish == "abort"
         aborts = [[m.request_id for m in f.sent if isinstance(m, wire.Abort)] for f in fakes]
         assert aborts == [[], ["g1.1"]]
@@ -134,7 +134,7 @@ async def test_update_weights_reaches_every_worker_and_each_reports_its_load():
     try:
         await pool.send_many(generates("g0", 1))
         await pool.send(wire.UpdateWeights(1, "v1.safetensors"))
-        loaded = [await asyncio.wait_for(pool.recv(), 1) for _ in range(3)]
+        loaded = [await asyncio.wait_for(pool.recv(), 10) for _ in range(3)]
         assert sorted((m.version, m.worker, m.rebuilt) for m in loaded) == [(1, 0, 1), (1, 1, 0), (1, 2, 0)]
         assert all(f.version == 1 for f in fakes)
     finally:
@@ -145,7 +145,7 @@ async def test_a_dead_worker_is_named_and_stop_ends_them_all_and_every_reader():
     fakes, pool = await started(3, **SLOW)
     await pool.send_many(generates("g0", 2))
     fakes[2].kill()
-    msg = await asyncio.wait_for(pool.recv(), 1)
+    msg = await asyncio.wait_for(pool.recv(), 10)
     assert msg is None
     failure = pool.failure(msg)
     assert failure.role == "rollout 2" and "rollout 2 worker failed: exited with code -9" in str(failure)
@@ -165,7 +165,7 @@ async def test_a_broken_pipe_in_one_reader_reaches_the_caller():
     pool = RolloutPool([FakeRollout(), Garbled()])
     await pool.start(wire.Init("rollout", make_settings().to_dict(), "shm"))
     with pytest.raises(wire.WireError, match="malformed"):
-        await asyncio.wait_for(pool.recv(), 1)
+        await asyncio.wait_for(pool.recv(), 10)
     await pool.stop()
 
 

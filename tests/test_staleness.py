@@ -81,7 +81,7 @@ def test_admission_wait_blocks_until_a_commit_or_a_drop():
         await asyncio.sleep(0.01)
         assert seen == ["admitted at v1 live 2"] and not task.done()
         adm.drop(2)
-        await asyncio.wait_for(task, 1)
+        await asyncio.wait_for(task, 10)
         return seen
 
     assert asyncio.run(scenario())[-1] == "admitted at v1 live 2"

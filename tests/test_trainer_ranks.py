@@ -15,7 +15,7 @@ from test_controller import make_settings, orchestrator
 from test_faults import alive
 
 from areal_aio import wire
-from areal_aio.client import WorkerFailed
+from areal_aio.client import KILL_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, WorkerFailed
 from areal_aio.controller import Orchestrator
 from areal_aio.fakes import FakeTrainer
 from areal_aio.settings import load_settings
@@ -120,9 +120,9 @@ async def test_killing_rank_1_mid_run_stops_the_run_naming_it(tmp_path):
     os.kill(orch.trainer.pids[1], signal.SIGKILL)
     t0 = time.perf_counter()
     # the pipe's end may reach the controller before the exit status does (client.PipeWorker)
-    with pytest.raises(WorkerFailed, match="trainer worker failed: rank 1: (exited with code -9|closed its pipe)"):
+    with pytest.raises(WorkerFailed, match="trainer worker failed: rank 1: (exited with code -9|closed its pipe|pipe closed while sending)"):
         await asyncio.wait_for(run, 30)
-    assert time.perf_counter() - t0 < 15
+    assert time.perf_counter() - t0 < SHUTDOWN_TIMEOUT_S + KILL_TIMEOUT_S + 10  # not the 60 s a step waits
     assert not any(alive(p) for p in (*orch.rollout.pids, *orch.trainer.pids))
     assert not orch.store.root.exists()
     summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
