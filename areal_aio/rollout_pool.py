@@ -11,8 +11,9 @@
 Admission and staleness stay in the controller: the pool only decides where a request runs.
 The death of any worker (Error, end of stream, or a send that fails) is handed on as it is
 and named by `failure` ("rollout 1"); the controller then stops the run and `stop` stops them
-all. A pool of one worker is that worker under its plain name (the controller holds a pool
-however many workers the role has). Worker i gets Init rank i, world N and its own device in settings' rollout.device.
+all. A pool of one worker is that worker under its plain name, read directly (the controller
+holds a pool however many workers the role has). Worker i gets Init rank i, world N and its
+own device in settings' rollout.device.
 Per worker, the pool keeps the time it had a request out (`busy`, for its idle fraction) and
 says which worker sent what `recv` returned last (`source`): the controller's per-worker counts.
 """
@@ -58,6 +59,7 @@ class RolloutPool:
 
     @property
     def pids(self) -> list[int | None]:
+        """Each worker's process id; None for a worker with no process of its own (a fake)."""
         return [getattr(w, "pid", None) for w in self.workers]
 
     async def prepare(self, model: str) -> float | None:
