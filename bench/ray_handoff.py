@@ -156,14 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     from areal_aio.cli import run_owned
 
     result = run_owned(measure(args, spec))
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "ray_handoff.json", result)
+    write_json(args.out / "results.json", result)
     print_table(("worker", "hand-off s", "vs local", "tok/s", "vs local"),
                 [(r["worker"], f"{r['handoff_s']:.3f}", f"{r['handoff_vs_local']:.2f}x", f"{r['tokens_per_s']:.1f}",
                   f"{r['tokens_per_s_vs_local']:.2f}x") for r in result["rows"]],
                 title=f"{spec}: one version's hand-off and generation, local vs Ray actors")
     plot(result, args.out / "ray_handoff.png", f"Ray actors vs local workers: {spec.split(':')[-1]}")
-    print(f"wrote {args.out / 'ray_handoff.json'} and ray_handoff.png")
+    print(f"wrote {args.out / 'results.json'} and {args.out / 'ray_handoff.png'}", file=sys.stderr)
     return 0
 
 

@@ -192,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = run_owned(measure(args, spec))
     result.update(machine=args.machine, overrides=args.overrides)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "scaling.json", result)
+    write_json(args.out / "results.json", result)
     print_table(("role", "workers", "threads each", "tok/s (median)", "speedup", "s per pass", "all-reduce s",
                  "per repeat"),
                 [(r["role"], str(r["workers"]), str(r["threads_each"]), f"{r['tokens_per_s']:.1f}",
@@ -202,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                   " ".join(f"{x:.1f}" for x in r["per_repeat"])) for r in result["rows"]],
                 title=f"{spec} on {args.machine or args.device}, {result['cores']} cores shared out")
     plot(result, args.out / "scaling.png", f"Scale-out on {args.machine or args.device}: {spec.split(':')[-1]}")
-    print(f"wrote {args.out / 'scaling.json'} and scaling.png")
+    print(f"wrote {args.out / 'results.json'} and {args.out / 'scaling.png'}", file=sys.stderr)
     return 0
 
 

@@ -19,7 +19,7 @@ def test_ray_handoff_quick(tmp_path, capsys) -> None:
     before = set(SHM_BASE.iterdir()) if SHM_BASE.is_dir() else set()
     assert ray_handoff.main(["--quick", "--out", str(tmp_path)]) == 0
     assert "shipped" in capsys.readouterr().out
-    res = json.loads((tmp_path / "ray_handoff.json").read_text())
+    res = json.loads((tmp_path / "results.json").read_text())
     rows = {r["worker"]: r for r in res["rows"]}
     assert set(rows) == set(ray_handoff.WORKERS)
     for r in rows.values():

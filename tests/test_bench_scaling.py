@@ -16,7 +16,7 @@ def test_scaling_quick(tmp_path, capsys) -> None:
     assert scaling.main(["--quick", "--rollout", "1,2", "--ranks", "1,2", "--cores", "2",
                          "--out", str(tmp_path)]) == 0
     assert "speedup" in capsys.readouterr().out
-    res = json.loads((tmp_path / "scaling.json").read_text())
+    res = json.loads((tmp_path / "results.json").read_text())
     rows = {(r["role"], r["workers"]): r for r in res["rows"]}
     assert set(rows) == {("rollout", 1), ("rollout", 2), ("trainer", 1), ("trainer", 2)}
     # the cores are shared out: 2 threads for one worker, 1 each for two
