@@ -10,9 +10,9 @@ does not import the controller.
 from typing import Any
 
 __all__ = ["AnswerReward", "Orchestrator", "Reward", "Score", "Settings", "SettingsError", "Task", "load_settings"]
-_HOME = {"Orchestrator": "controller", "AnswerReward": "rewards", "Reward": "rewards", "Score": "rewards",
-         "Settings": "settings", "SettingsError": "settings", "load_settings": "settings",
-         "Task": "tasks"}
+_HOME = {"Orchestrator": "control.controller", "AnswerReward": "rewards.scoring", "Reward": "rewards.scoring",
+         "Score": "rewards.scoring", "Settings": "settings", "SettingsError": "settings",
+         "load_settings": "settings", "Task": "tasks.sources"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,3 +1,3 @@
-from areal_aio.cli import main
+from areal_aio.app.cli import main
 
 raise SystemExit(main())

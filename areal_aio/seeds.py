@@ -14,7 +14,7 @@ are batched, interrupted or re-dispatched after a resume.
 splitmix64 (Steele, Lea, Flood 2014) is the mixer: a bijection on 64-bit words whose outputs
 pass BigCrush even for counter inputs. Here it runs in Python ints (exact 64-bit arithmetic, no
 overflow care), the reference; the engine computes the same words in int64 tensor ops on its
-device, all rows of a decode step at once (workers/sampling.py, equal bit for bit). No torch
+device, all rows of a decode step at once (workers/rollout/sampling.py, equal bit for bit). No torch
 here, so the controller can compute seeds.
 """
 
@@ -64,7 +64,7 @@ def sample_seed(run_seed: int, group_id: int, index: int, retry: int) -> int:
 
 def continuation_seed(run_seed: int, group_id: int, index: int, retry: int, step: int, j: int) -> int:
     """The sampling seed of continuation `j` from step prefix `step` of one training rollout
-    (areal_aio.process_reward); six parts, so it never equals a rollout's four-part seed by design."""
+    (areal_aio.rewards.process); six parts, so it never equals a rollout's four-part seed by design."""
     return derive(run_seed, group_id, index, retry, step, j)
 
 

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from areal_aio.trackers import report_to_error
+from areal_aio.app.trackers import report_to_error
 
 MODES = ("sync", "one_step", "areal")
 OBJECTIVES = ("pg", "ppo", "decoupled_ppo")
 ADVANTAGES = ("grpo", "drgrpo", "batch")
 CAP_MODES = ("mask", "clamp")
 """The trainer's objectives, advantage kinds and cap modes: named here, the one home of the
-names (torch-free, so the controller and `check` read them); workers/losses.py implements them."""
+names (torch-free, so the controller and `check` read them); workers/trainer/losses.py implements them."""
 SFT = "sft"
 """The supervised objective: negative log-likelihood of the completion tokens. `python -m
 areal_aio sft` asks for it in each Train message; it is not a trainer.objective (RL runs)."""
@@ -236,9 +236,9 @@ class SftSettings:
 
 @dataclass(frozen=True, slots=True)
 class ProcessSettings:
-    """ProcessThinker's reward (arXiv 2606.11209) for replies in the step format (areal_aio/steps.py):
+    """ProcessThinker's reward (arXiv 2606.11209) for replies in the step format (areal_aio/tasks/steps.py):
     format_weight * valid + min(step_bonus * K, step_bonus_cap) + lambda_acc * R_acc + lambda_proc * R_proc,
-    replaced by `penalty` when R_proc < tau and the final answer is wrong (areal_aio/process_reward.py)."""
+    replaced by `penalty` when R_proc < tau and the final answer is wrong (areal_aio/rewards/process.py)."""
 
     mode: str = opt("off", "off: the built-in answer reward (task.format_bonus), no step format | outcome | process | mixed: ProcessThinker's reward, presetting lambda_acc / lambda_proc / tau to 1 / 0 / 0 (outcome-only: no continuations), 0 / 1 / - (process-only) or 0.5 / 0.5 / - (mixed; the paper does not give its mixed weights, these are ours); a value given with --set wins over the preset.", choices=PROCESS_MODES)
     continuations: int = opt(4, "M: continuations sampled from each step prefix on the rollout worker (never trained); a step's score is the share that reach the correct final answer. The paper's 4.", ge=1)
@@ -254,7 +254,7 @@ class ProcessSettings:
 
 @dataclass(frozen=True, slots=True)
 class RaySettings:
-    address: str = opt("", "Where the workers live: \"\" = local subprocesses (no Ray); \"local\" = a private Ray cluster on this machine, started for the run and shut down at its end; anything else (\"auto\", \"host:6379\") joins that running cluster, from a node of it (ray:// Ray Client addresses are refused: the trainer writes the run folder and the weight store on the controller's node). Each worker is a Ray actor running the same worker process (areal_aio/ray_workers.py). Needs pip install 'areal_aio[ray]'.")
+    address: str = opt("", "Where the workers live: \"\" = local subprocesses (no Ray); \"local\" = a private Ray cluster on this machine, started for the run and shut down at its end; anything else (\"auto\", \"host:6379\") joins that running cluster, from a node of it (ray:// Ray Client addresses are refused: the trainer writes the run folder and the weight store on the controller's node). Each worker is a Ray actor running the same worker process (areal_aio/fleet/ray_workers.py). Needs pip install 'areal_aio[ray]'.")
     ship_weights: str = opt("auto", "How a rollout actor gets each weight version: auto (one on the controller's node reads the weight store, one on another node gets the file through Ray's object store into its own node's /dev/shm) | always (every rollout actor through the object store).", choices=("auto", "always"))
 
 

@@ -180,7 +180,7 @@ class Trained:
     step: int
     version: int
     path: str
-    stats: dict  # loss, entropy, clip_frac, ..., tokens, seconds (see workers/trainer.py)
+    stats: dict  # loss, entropy, clip_frac, ..., tokens, seconds (see workers/trainer/worker.py)
 
 
 @dataclass(frozen=True, slots=True)

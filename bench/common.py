@@ -51,7 +51,7 @@ class Cell:
 
 async def run_orchestrator(settings: Settings, folder: Path) -> dict:
     """The real run: an Orchestrator that starts the rollout and trainer subprocesses itself."""
-    from areal_aio.controller import Orchestrator
+    from areal_aio.control.controller import Orchestrator
 
     return await Orchestrator(settings, out_dir=folder).run()
 
@@ -145,7 +145,7 @@ def run_loop(coro: Coroutine[Any, Any, Any]) -> Any:
     """Run a coroutine as `python -m areal_aio run` does (uvloop; SIGTERM and Ctrl-C cancel it,
     so the run in progress stops its workers and removes its /dev/shm folder); a signal ends
     the process with 143 (SIGTERM) or 130 (Ctrl-C), and rerunning resumes the grid."""
-    from areal_aio.cli import run_owned
+    from areal_aio.app.cli import run_owned
 
     try:
         return run_owned(coro)

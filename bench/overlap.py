@@ -45,7 +45,7 @@ COMPLETION_TOKENS = 16
 
 
 def _gen_batch(engine: Any, ids: list[list[int]], tokens: int, tag: str) -> int:
-    from areal_aio.workers.engine import Request
+    from areal_aio.workers.rollout.engine import Request
 
     for i, prompt in enumerate(ids):
         engine.add(Request(f"{tag}.{i}", prompt, tokens, 0.7, 1.0))
@@ -60,8 +60,8 @@ def rollout_child(spec: str, device: str, dtype: str, tokens: int, ready: Any, s
     still measures one); report (batches, tokens, seconds)."""
     sys.path.insert(0, str(REPO))
     from areal_aio.workers.common import configure_torch
-    from areal_aio.workers.engine import Engine
     from areal_aio.workers.models import load_model
+    from areal_aio.workers.rollout.engine import Engine
     from bench.rollout_throughput import prompts
 
     configure_torch(device, 1)
@@ -121,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from areal_aio.settings import build_settings
-    from areal_aio.weight_store import SHM_BASE, WeightStore
+    from areal_aio.store.weights import SHM_BASE, WeightStore
     from areal_aio.workers.common import configure_torch
     from areal_aio.workers.models import SMOLLM2, TINY, load_model
-    from areal_aio.workers.trainer import Trainer
+    from areal_aio.workers.trainer.worker import Trainer
     from bench.train_step import make_batch, reply_lengths
 
     spec = args.model or (TINY if args.quick else SMOLLM2)

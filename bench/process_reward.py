@@ -8,7 +8,7 @@ cold-start model, each run given the same wall budget.
 Every (arm, seed) cell is one real run (`Orchestrator` with its two worker subprocesses),
 strictly one after another, seed-major (the arms of one seed back to back, so a machine whose
 load drifts shifts every arm of a seed alike). The runs differ only in `process.mode`, i.e. in
-the reward (areal_aio/process_reward.py): outcome = format + step bonus + correct answer (no
+the reward (areal_aio/rewards/process.py): outcome = format + step bonus + correct answer (no
 continuations); process = format + step bonus + the rollout-based process score, gated;
 mixed = both, weighted 0.5 / 0.5. Same model (--model, by default the folder
 `python -m areal_aio sft settings.toml --set task.name=chain --set task.terms=3 --out
@@ -41,7 +41,7 @@ import orjson
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from areal_aio.preflight import preflight  # noqa: E402
+from areal_aio.app.preflight import preflight  # noqa: E402
 from areal_aio.settings import SettingsError, load_settings  # noqa: E402
 from bench.common import (  # noqa: E402
     DEFAULT_SETTINGS,

@@ -4,7 +4,7 @@
     python bench/ray_handoff.py --quick     # tiny-random, seconds
 
 One process holds, side by side, three rollout workers and one trainer, each the client
-`areal_aio.placement` builds:
+`areal_aio.fleet.placement` builds:
 
     local    a PipeWorker: the worker reads each version from the run's /dev/shm store
     ray      a RayWorker (ray.address = "local"): the same worker in a Ray actor on this node,
@@ -36,10 +36,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from areal_aio import placement, wire  # noqa: E402
-from areal_aio.client import WorkerClient, ensure_model  # noqa: E402
+from areal_aio import wire  # noqa: E402
+from areal_aio.fleet import placement  # noqa: E402
+from areal_aio.fleet.client import WorkerClient, ensure_model  # noqa: E402
 from areal_aio.settings import build_settings, cpu_cores  # noqa: E402
-from areal_aio.weight_store import SHM_BASE, WeightStore  # noqa: E402
+from areal_aio.store.weights import SHM_BASE, WeightStore  # noqa: E402
 from areal_aio.workers.models import SMOLLM2, TINY, load_tokenizer  # noqa: E402
 from bench.common import print_table, pyplot, save_figure, write_json  # noqa: E402
 from bench.scaling import rollout_pass  # noqa: E402
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args.versions = args.versions or (2 if args.quick else 5)
     args.passes = args.passes or (1 if args.quick else 2)
     args.sequences = args.sequences or (16 if args.quick else 32)
-    from areal_aio.cli import run_owned
+    from areal_aio.app.cli import run_owned
 
     result = run_owned(measure(args, spec))
     write_json(args.out / "results.json", result)

@@ -6,7 +6,7 @@
 Every method generates the same sequences (arithmetic prompts, GRPO groups of identical
 prompts), with the same sampling (temperature, top_p) and the same max_new_tokens:
 
-    engine           areal_aio.workers.engine.Engine, all sequences queued at once, max_batch slots,
+    engine           areal_aio.workers.rollout.engine.Engine, all sequences queued at once, max_batch slots,
                      driven as the rollout worker drives it: advance() in chunks of
                      rollout.chunk_tokens steps (on a GPU the host reads tokens once a chunk
                      while no request waits for a slot; on a CPU after every step)
@@ -39,12 +39,12 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from areal_aio.safetensors_io import load_weights  # noqa: E402
 from areal_aio.settings import RolloutSettings  # noqa: E402
-from areal_aio.weight_store import SHM_BASE, WeightStore  # noqa: E402
+from areal_aio.store.safetensors_io import load_weights  # noqa: E402
+from areal_aio.store.weights import SHM_BASE, WeightStore  # noqa: E402
 from areal_aio.workers.common import configure_torch  # noqa: E402
-from areal_aio.workers.engine import Engine, Request  # noqa: E402
 from areal_aio.workers.models import SMOLLM2, TINY, encode_prompt, load_model  # noqa: E402
+from areal_aio.workers.rollout.engine import Engine, Request  # noqa: E402
 from bench.common import save_figure, write_json  # noqa: E402
 
 QUESTIONS = ["Calculate 3 + 4.", "Calculate 8 - 5.", "Calculate 6 + 9.", "Calculate 7 - 2.",

@@ -6,7 +6,7 @@
     python bench/scaling.py --device cuda --rollout 1 --ranks 1    # one GPU per worker: list more
 
 Every configuration is the real thing the controller runs: the role's client as
-`areal_aio.placement` builds it from rollout.devices / trainer.devices (worker subprocesses
+`areal_aio.fleet.placement` builds it from rollout.devices / trainer.devices (worker subprocesses
 over pipes; several rollout workers behind one pool, several trainer ranks as
 torch.distributed ranks), started once, warmed up, then timed.
 
@@ -41,11 +41,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from areal_aio import placement, wire  # noqa: E402
-from areal_aio.client import WorkerClient, ensure_model  # noqa: E402
+from areal_aio import wire  # noqa: E402
+from areal_aio.fleet import placement  # noqa: E402
+from areal_aio.fleet.client import WorkerClient, ensure_model  # noqa: E402
 from areal_aio.seeds import sample_seed  # noqa: E402
 from areal_aio.settings import Settings, build_settings, cpu_cores  # noqa: E402
-from areal_aio.weight_store import SHM_BASE, WeightStore  # noqa: E402
+from areal_aio.store.weights import SHM_BASE, WeightStore  # noqa: E402
 from areal_aio.workers.models import SMOLLM2, TINY, load_tokenizer  # noqa: E402
 from bench.common import parse_list, print_table, pyplot, save_figure, write_json  # noqa: E402
 from bench.rollout_throughput import QUESTIONS  # noqa: E402
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args.sequences = args.sequences or (16 if args.quick else 64)
     if args.sequences % GROUP:
         ap.error(f"--sequences must be a multiple of {GROUP}")
-    from areal_aio.cli import run_owned
+    from areal_aio.app.cli import run_owned
 
     result = run_owned(measure(args, spec))
     result.update(machine=args.machine, overrides=args.overrides)

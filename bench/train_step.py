@@ -8,11 +8,11 @@
 
     fp32         fp32 forward/backward, each row is prompt + completion
     fp32-shared  fp32, and each group is one packed row: its prompt once, then its
-                 completions (trainer.share_prompts, workers/microbatch.py); the default
+                 completions (trainer.share_prompts, workers/trainer/microbatch.py); the default
                  on a CPU without native bf16 (trainer.bf16 = auto)
     bf16         bf16 autocast (fp32 master weights), each row is prompt + completion
     bf16-shared  bf16, and each group is one packed row: its prompt once, then its
-                 completions (trainer.share_prompts, workers/microbatch.py)
+                 completions (trainer.share_prompts, workers/trainer/microbatch.py)
 
 A uniform mix hides what padding costs: a run's replies in one group differ by up
 to 30x, so a layout that pads rows to the longest computes up to 3x their tokens.
@@ -48,9 +48,9 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from areal_aio import wire  # noqa: E402
 from areal_aio.settings import build_settings  # noqa: E402
-from areal_aio.weight_store import SHM_BASE, WeightStore  # noqa: E402
+from areal_aio.store.weights import SHM_BASE, WeightStore  # noqa: E402
 from areal_aio.workers.models import SMOLLM2, TINY, load_model  # noqa: E402
-from areal_aio.workers.trainer import Trainer  # noqa: E402
+from areal_aio.workers.trainer.worker import Trainer  # noqa: E402
 from bench.common import pyplot, save_figure, write_json  # noqa: E402
 
 SEQS = 32

@@ -27,8 +27,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from areal_aio.safetensors_io import load_weights  # noqa: E402
-from areal_aio.weight_store import SHM_BASE, WeightStore  # noqa: E402
+from areal_aio.store.safetensors_io import load_weights  # noqa: E402
+from areal_aio.store.weights import SHM_BASE, WeightStore  # noqa: E402
 from areal_aio.workers.models import SMOLLM2, TINY, load_model  # noqa: E402
 from bench.common import pyplot, save_figure, write_json  # noqa: E402
 

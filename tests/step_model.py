@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from areal_aio.steps import render
+from areal_aio.tasks.steps import render
 
 REPLY = render(["2 + 1 = 3", "3 + 1 = 4"], "4")
 """What the model writes (a continuation from step 1 writes step 2 and the answer)."""

@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 
 
 def test_ray_handoff_quick(tmp_path, capsys) -> None:
-    from areal_aio.weight_store import SHM_BASE
+    from areal_aio.store.weights import SHM_BASE
     from bench import ray_handoff
 
     before = set(SHM_BASE.iterdir()) if SHM_BASE.is_dir() else set()

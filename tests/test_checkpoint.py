@@ -10,10 +10,11 @@ import orjson
 import pytest
 from test_controller import make_settings, tasks
 
-from areal_aio import checkpoint, cli
-from areal_aio.checkpoint import CheckpointError
-from areal_aio.controller import Orchestrator
-from areal_aio.fakes import FakeRollout, FakeTrainer
+from areal_aio.app import cli
+from areal_aio.control.controller import Orchestrator
+from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
+from areal_aio.store import checkpoint
+from areal_aio.store.checkpoint import CheckpointError
 
 
 def orch(folder, settings, **kw):

@@ -10,14 +10,14 @@ import orjson
 import pytest
 
 from areal_aio import wire
-from areal_aio.client import WorkerFailed
-from areal_aio.controller import Orchestrator
-from areal_aio.fakes import FakeRollout, FakeTrainer
-from areal_aio.rollout_pool import RolloutPool
+from areal_aio.control.controller import Orchestrator
+from areal_aio.control.stats import Busy
+from areal_aio.control.trainer_link import TrainerLink
+from areal_aio.fleet.client import WorkerFailed
+from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
+from areal_aio.fleet.rollout_pool import RolloutPool
 from areal_aio.settings import build_settings
-from areal_aio.stats import Busy
-from areal_aio.tasks import Task, arithmetic_prompt
-from areal_aio.trainer_link import TrainerLink
+from areal_aio.tasks.sources import Task, arithmetic_prompt
 
 
 def tasks(n: int | None = None, start: int = 0):

@@ -1,6 +1,6 @@
-"""Data parallelism: the split of a mini-batch's rows over ranks (workers/packing.py, planned in
-workers/microbatch.py), and two gloo ranks (workers/data_parallel.py) taking
-the very updates one rank takes (real trainer subprocesses over pipes, areal_aio.trainer_ranks)."""
+"""Data parallelism: the split of a mini-batch's rows over ranks (workers/trainer/packing.py, planned in
+workers/trainer/microbatch.py), and two gloo ranks (workers/trainer/data_parallel.py) taking
+the very updates one rank takes (real trainer subprocesses over pipes, areal_aio.fleet.trainer_ranks)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from areal_aio import placement, wire
+from areal_aio import wire
+from areal_aio.fleet import placement
+from areal_aio.fleet.trainer_ranks import TrainerRanks
 from areal_aio.settings import build_settings
-from areal_aio.trainer_ranks import TrainerRanks
-from areal_aio.workers.data_parallel import Ranks
-from areal_aio.workers.microbatch import plan_micro_batches
 from areal_aio.workers.models import TINY, encode_prompt, load_model
-from areal_aio.workers.packing import split
+from areal_aio.workers.trainer.data_parallel import Ranks
+from areal_aio.workers.trainer.microbatch import plan_micro_batches
+from areal_aio.workers.trainer.packing import split
 
 # ---- the split ---------------------------------------------------------------------------------
 

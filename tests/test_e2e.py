@@ -17,10 +17,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from areal_aio.client import KILL_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, WorkerFailed
-from areal_aio.controller import Orchestrator
+from areal_aio.control.controller import Orchestrator
+from areal_aio.fleet.client import KILL_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, WorkerFailed
 from areal_aio.settings import build_settings, load_settings
-from areal_aio.tasks import Task
+from areal_aio.tasks.sources import Task
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -277,9 +277,9 @@ def test_cli_trains_on_parquet_chats_with_a_weighted_reward_of_its_own(tmp_path)
 
 RESUME_CHILD = """
 import asyncio, itertools, sys
-from areal_aio.controller import Orchestrator
+from areal_aio.control.controller import Orchestrator
 from areal_aio.settings import build_settings
-from areal_aio.tasks import Task
+from areal_aio.tasks.sources import Task
 
 def vowel_share(task, completion):
     letters = [c for c in completion.lower() if c.isalpha()]

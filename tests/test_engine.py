@@ -9,10 +9,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from areal_aio.weight_store import WeightStore
-from areal_aio.workers import engine as engine_module
-from areal_aio.workers.engine import HEADROOM_TOKENS, Engine, Request, _Seq, _tail_buckets
+from areal_aio.store.weights import WeightStore
 from areal_aio.workers.models import TINY, encode_prompt, load_model
+from areal_aio.workers.rollout import engine as engine_module
+from areal_aio.workers.rollout.engine import HEADROOM_TOKENS, Engine, Request, _Seq, _tail_buckets
 
 PROMPTS = ["Calculate 3 + 4.", "What is 12 - 5? Put the answer in <answer></answer> tags.", "Hi",
            "Calculate 7 * 8 and explain every step of the way, slowly and carefully."]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from test_controller import make_settings, tasks
 
-from areal_aio.client import PipeWorker
-from areal_aio.evaluation import eval_rollout, greedy_completions
-from areal_aio.fakes import FakeRollout, solving_policy
-from areal_aio.rollout_pool import RolloutPool
+from areal_aio.control.evaluation import eval_rollout, greedy_completions
+from areal_aio.fleet.client import PipeWorker
+from areal_aio.fleet.fakes import FakeRollout, solving_policy
+from areal_aio.fleet.rollout_pool import RolloutPool
 
 
 def test_one_device_is_one_worker_and_several_are_a_pool_with_a_log_each(tmp_path):

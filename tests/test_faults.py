@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_aio.reward_pool import MAX_BREAKS
+from areal_aio.rewards.pool import MAX_BREAKS
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +25,7 @@ TINY = ["model.path=embedded:tiny-random", "rollout.max_new_tokens=12", "rollout
         "trainer.bf16=false", "controller.reward_procs=1", "run.max_steps=100000"]
 START_TIMEOUT_S = 120.0
 GONE_TIMEOUT_S = 20.0
-ROLES = {"areal_aio.workers.rollout": "rollout", "areal_aio.workers.trainer": "trainer", "areal_aio.reward_pool": "reward"}
+ROLES = {"areal_aio.workers.rollout": "rollout", "areal_aio.workers.trainer": "trainer", "areal_aio.rewards.pool": "reward"}
 
 
 def alive(pid: int) -> bool:

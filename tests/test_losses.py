@@ -1,4 +1,4 @@
-"""workers/losses.py against values worked out by hand on tiny tensors."""
+"""workers/trainer/losses.py against values worked out by hand on tiny tensors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from areal_aio.workers import losses
+from areal_aio.workers.trainer import losses
 
 EPS = losses.ADV_EPS
 

@@ -1,4 +1,4 @@
-"""workers/microbatch.py: the packed layout's rows, positions, mask and targets, and the budget."""
+"""workers/trainer/microbatch.py: the packed layout's rows, positions, mask and targets, and the budget."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import torch
 
 from areal_aio import wire
-from areal_aio.workers.microbatch import (
+from areal_aio.workers.trainer.microbatch import (
     build_micro_batch,
     build_packed_micro_batch,
     group_row_length,

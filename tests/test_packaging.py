@@ -20,6 +20,10 @@ def test_wheel_ships_workers_inside_the_areal_aio_namespace(tmp_path):
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in ("areal_aio", "workers"):  # areal_aio/workers is a link to ../workers: kept as one
         shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=skip)
+    # every module ships, workers/ inside the areal_aio namespace (the link is not followed here)
+    expected = {str(p.relative_to(src)) for p in (src / "areal_aio").rglob("*.py")
+                if not p.is_relative_to(src / "areal_aio" / "workers")}
+    expected |= {"areal_aio/" + str(p.relative_to(src)) for p in (src / "workers").rglob("*.py")}
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                            "--no-index", "-q", "-w", str(tmp_path / "dist"), str(src)],
                           capture_output=True, text=True, timeout=300)
@@ -28,5 +32,6 @@ def test_wheel_ships_workers_inside_the_areal_aio_namespace(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/")[0] for name in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"areal_aio"}, top
-    workers = {Path(n).name for n in names if n.startswith("areal_aio/workers/")}
-    assert {"__init__.py", "rollout.py", "trainer.py", "engine.py", "models.py"} <= workers
+    shipped = {n for n in names if n.endswith(".py")}
+    assert expected == shipped, sorted(expected ^ shipped)
+    assert {"areal_aio/workers/rollout/__main__.py", "areal_aio/workers/trainer/__main__.py"} <= shipped

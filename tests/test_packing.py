@@ -1,4 +1,4 @@
-"""workers/packing.py: the budget holds, every sequence appears once, order is kept."""
+"""workers/trainer/packing.py: the budget holds, every sequence appears once, order is kept."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from areal_aio.workers.packing import micro_batches, padded_tokens
+from areal_aio.workers.trainer.packing import micro_batches, padded_tokens
 
 
 def test_worked_example() -> None:

@@ -13,9 +13,9 @@ import pytest
 from test_controller import WORKERS, rollouts
 
 from areal_aio import wire
-from areal_aio.controller import Orchestrator
-from areal_aio.fakes import FakeRollout, FakeTrainer
-from areal_aio.process_reward import (
+from areal_aio.control.controller import Orchestrator
+from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
+from areal_aio.rewards.process import (
     ID_PREFIX,
     combine,
     process_score,
@@ -25,8 +25,8 @@ from areal_aio.process_reward import (
 )
 from areal_aio.seeds import continuation_seed, sample_seed
 from areal_aio.settings import ProcessSettings, build_settings
-from areal_aio.steps import STEP_INSTRUCTION, parse, render
-from areal_aio.tasks import Task
+from areal_aio.tasks.sources import Task
+from areal_aio.tasks.steps import STEP_INSTRUCTION, parse, render
 
 # binary-exact weights, so rewards compare with ==
 EXACT = ProcessSettings(mode="mixed", continuations=4, max_scored_steps=6, tau=0.5, penalty=-0.5,
@@ -269,7 +269,7 @@ async def test_a_cancelled_run_with_continuations_in_flight_does_not_hang(tmp_pa
 async def test_a_resumed_run_continues_the_continuation_counters_and_scores_alike(tmp_path):
     import shutil
 
-    from areal_aio import checkpoint
+    from areal_aio.store import checkpoint
 
     folder = tmp_path / "run"
     settings = settings_for("process", **{"run.checkpoint_every": 2, "run.keep_checkpoints": 2})

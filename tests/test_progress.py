@@ -7,10 +7,10 @@ import io
 from test_controller import make_settings, orchestrator
 
 from areal_aio import wire
-from areal_aio.controller import Sample
-from areal_aio.progress import Progress, pick
-from areal_aio.rewards import Score
-from areal_aio.tasks import Task
+from areal_aio.control.controller import Sample
+from areal_aio.control.progress import Progress, pick
+from areal_aio.rewards.scoring import Score
+from areal_aio.tasks.sources import Task
 
 
 def step_row(step: int, **kw) -> dict:

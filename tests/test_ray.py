@@ -1,4 +1,4 @@
-"""Workers as Ray actors (areal_aio/ray_workers.py) on a private local Ray cluster, tiny-random."""
+"""Workers as Ray actors (areal_aio/fleet/ray_workers.py) on a private local Ray cluster, tiny-random."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from areal_aio.client import WorkerFailed  # noqa: E402
-from areal_aio.controller import Orchestrator  # noqa: E402
+from areal_aio.control.controller import Orchestrator  # noqa: E402
+from areal_aio.fleet.client import WorkerFailed  # noqa: E402
 from areal_aio.settings import build_settings  # noqa: E402
-from areal_aio.tasks import Task  # noqa: E402
-from areal_aio.weight_store import SHM_BASE  # noqa: E402
+from areal_aio.store.weights import SHM_BASE  # noqa: E402
+from areal_aio.tasks.sources import Task  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TASKS = [Task(f"t{i}", f"Write something about topic number {i}.", "") for i in range(100)]
@@ -128,7 +128,7 @@ async def test_a_killed_actor_stops_the_run_with_its_name(tmp_path, leaves_nothi
 
 
 def test_workers_naming_one_gpu_share_it() -> None:
-    from areal_aio.ray_workers import gpu_share
+    from areal_aio.fleet.ray_workers import gpu_share
     from areal_aio.settings import build_settings
 
     one_gpu = build_settings({}, ["rollout.device=cuda", "trainer.device=cuda:0"])

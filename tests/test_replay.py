@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from areal_aio.replay import Group, ReplayBuffer
+from areal_aio.control.replay import Group, ReplayBuffer
 
 
 @dataclass

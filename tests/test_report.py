@@ -6,8 +6,8 @@ import orjson
 import pytest
 from test_controller import make_settings, orchestrator
 
-from areal_aio import cli
-from areal_aio.report import default_out, figures, read_run, read_runs
+from areal_aio.app import cli
+from areal_aio.app.report import default_out, figures, read_run, read_runs
 
 STEPS = 6
 STALENESS = [0, 1, 1, 2]  # of each step's four samples

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from areal_aio.reward_pool import MAX_BREAKS, RewardCallFailed, RewardPool, RewardPoolBroken
-from areal_aio.rewards import Scorer
-from areal_aio.tasks import Task
+from areal_aio.rewards.pool import MAX_BREAKS, RewardCallFailed, RewardPool, RewardPoolBroken
+from areal_aio.rewards.scoring import Scorer
+from areal_aio.tasks.sources import Task
 
 pytestmark = pytest.mark.slow  # real pool processes, a second or two each
 T = Task("t", "Calculate 3 + 4.", "7")
@@ -143,8 +143,8 @@ async def test_close_kills_a_process_in_a_hung_call():
 OWNER = textwrap.dedent("""
     import asyncio, os, sys, time
     sys.path.insert(0, {tests!r})
-    from areal_aio.reward_pool import RewardPool
-    from areal_aio.tasks import Task
+    from areal_aio.rewards.pool import RewardPool
+    from areal_aio.tasks.sources import Task
     from test_reward_pool import pid_of_worker
 
     async def main():

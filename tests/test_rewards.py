@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from areal_aio.rewards import (
+from areal_aio.rewards.scoring import (
     AnswerReward,
     Reward,
     Score,
@@ -19,7 +19,7 @@ from areal_aio.rewards import (
     same_answer,
 )
 from areal_aio.settings import SettingsError, build_settings
-from areal_aio.tasks import Task
+from areal_aio.tasks.sources import Task
 
 T = Task("t", "Calculate 3 + 4.", "7")
 
@@ -147,8 +147,8 @@ async def test_a_dead_pool_process_is_replaced_not_scored_zero_forever():
 HUNG = """
 import asyncio, sys, time
 sys.path.insert(0, {tests!r})
-from areal_aio.rewards import Scorer
-from areal_aio.tasks import Task
+from areal_aio.rewards.scoring import Scorer
+from areal_aio.tasks.sources import Task
 from test_rewards import hangs
 
 async def main():
@@ -185,7 +185,7 @@ def test_a_hung_sync_reward_times_out_and_the_process_still_exits(fn, procs):
 
 USER_REWARDS = '''
 import asyncio, os
-from areal_aio.rewards import Score
+from areal_aio.rewards.scoring import Score
 
 def exact(task, completion):
     return float(completion.strip() == task.answer)

@@ -15,7 +15,7 @@ import torch
 
 from areal_aio import wire
 from areal_aio.settings import build_settings
-from areal_aio.weight_store import WeightStore
+from areal_aio.store.weights import WeightStore
 from areal_aio.workers.models import TINY, encode_prompt, load_model
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ enough that an UpdateWeights sent after a short request finished lands mid-gener
 
 NOISY_MAIN = """
 import os, sys
-from areal_aio.workers import rollout
+from areal_aio.workers.rollout import worker as rollout
 handle = rollout.RolloutWorker._handle
 def noisy(self, msg, channel):
     print("stray print from python")

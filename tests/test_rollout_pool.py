@@ -8,10 +8,11 @@ import orjson
 import pytest
 from test_controller import make_settings, orchestrator, rollouts
 
-from areal_aio import placement, wire
-from areal_aio.client import PipeWorker, WorkerFailed
-from areal_aio.fakes import FakeRollout, FakeTrainer
-from areal_aio.rollout_pool import RolloutPool
+from areal_aio import wire
+from areal_aio.fleet import placement
+from areal_aio.fleet.client import PipeWorker, WorkerFailed
+from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
+from areal_aio.fleet.rollout_pool import RolloutPool
 
 SLOW = dict(tokens=1000, token_delay_s=0.01)
 """A request that is still running when the test looks."""

@@ -4,7 +4,7 @@ import asyncio
 
 import orjson
 
-from areal_aio.runlog import RunLog
+from areal_aio.control.runlog import RunLog
 
 
 def rows(path):

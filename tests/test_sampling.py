@@ -1,4 +1,4 @@
-"""Sampling on the device (workers/sampling.py): uniforms equal areal_aio.seeds bit for bit; top-p; draw."""
+"""Sampling on the device (workers/rollout/sampling.py): uniforms equal areal_aio.seeds bit for bit; top-p; draw."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from areal_aio import seeds
 from areal_aio.seeds import SEED_BITS, uniform
-from areal_aio.workers.sampling import draw, mix64, nucleus, uniforms
+from areal_aio.workers.rollout.sampling import draw, mix64, nucleus, uniforms
 
 EDGES = [0, 1, 2, 3, 2 ** 31 - 1, 2 ** 32, 2 ** 62, 2 ** 63 - 2, 2 ** 63 - 1, 2 ** 63, 2 ** 63 + 1,
          2 ** 64 - 2, 2 ** 64 - 1]

@@ -1,4 +1,4 @@
-"""areal_aio/sft.py: the data it trains on, its checks, and (slow) the whole command on tiny-random."""
+"""areal_aio/app/sft.py: the data it trains on, its checks, and (slow) the whole command on tiny-random."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ import orjson
 import pytest
 
 from areal_aio import wire
-from areal_aio.preflight import PreflightError
-from areal_aio.rewards import Score
-from areal_aio.settings import build_settings
-from areal_aio.sft import (
+from areal_aio.app.preflight import PreflightError
+from areal_aio.app.sft import (
     Pair,
     batches,
     check,
@@ -25,8 +23,10 @@ from areal_aio.sft import (
     tokenize,
     train_samples,
 )
-from areal_aio.steps import STEP_INSTRUCTION, parse
-from areal_aio.tasks import ANSWER_INSTRUCTION, Task, eval_tasks
+from areal_aio.rewards.scoring import Score
+from areal_aio.settings import build_settings
+from areal_aio.tasks.sources import ANSWER_INSTRUCTION, Task, eval_tasks
+from areal_aio.tasks.steps import STEP_INSTRUCTION, parse
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAIN = {"task": {"name": "chain", "terms": 3, "eval_size": 8}, "sft": {"steps": 5, "batch_size": 4, "eval_size": 8}}

@@ -1,7 +1,7 @@
 import asyncio
 import math
 
-from areal_aio.staleness import Admission, is_stale, may_admit, staleness
+from areal_aio.control.staleness import Admission, is_stale, may_admit, staleness
 
 
 def test_sync_admits_exactly_one_batch_per_version():

@@ -1,9 +1,7 @@
 import math
 
 from areal_aio import wire
-from areal_aio.rewards import Score
-from areal_aio.settings import Settings
-from areal_aio.stats import (
+from areal_aio.control.stats import (
     Busy,
     Counts,
     WorkerShare,
@@ -13,7 +11,9 @@ from areal_aio.stats import (
     summarize,
     worker_rows,
 )
-from areal_aio.tasks import Task
+from areal_aio.rewards.scoring import Score
+from areal_aio.settings import Settings
+from areal_aio.tasks.sources import Task
 
 
 class _Sample:

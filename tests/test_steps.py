@@ -2,7 +2,7 @@
 
 import pytest
 
-from areal_aio.steps import parse, render
+from areal_aio.tasks.steps import parse, render
 
 
 def test_a_rendered_reply_parses_back_to_its_steps_and_answer():

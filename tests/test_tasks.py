@@ -4,7 +4,7 @@ import orjson
 import pytest
 
 from areal_aio.settings import build_settings
-from areal_aio.tasks import (
+from areal_aio.tasks.sources import (
     ANSWER_INSTRUCTION,
     eval_tasks,
     read_dataset,
@@ -71,7 +71,7 @@ def test_jsonl_bad_rows_name_the_line(tmp_path):
 
 def test_streams_resume_at_any_position(tmp_path):
     """A resumed run continues its task stream where it stopped: start=n is the stream minus n."""
-    from areal_aio.tasks import EPOCH, arithmetic_stream, training_tasks
+    from areal_aio.tasks.sources import EPOCH, arithmetic_stream, training_tasks
 
     settings = build_settings({}, ["run.seed=3"])
     whole = list(itertools.islice(training_tasks(settings), 40))

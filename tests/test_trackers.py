@@ -8,9 +8,9 @@ import orjson
 import pytest
 from test_controller import make_settings, orchestrator
 
-from areal_aio import trackers
+from areal_aio.app import trackers
+from areal_aio.app.trackers import EVAL_METRICS, STEP_METRICS, metrics, report_to_error, run_tracked
 from areal_aio.settings import SettingsError
-from areal_aio.trackers import EVAL_METRICS, STEP_METRICS, metrics, report_to_error, run_tracked
 
 WANDB_BLOCK = 32 * 1024
 

@@ -1,4 +1,4 @@
-"""workers/trainer.py: in-process on embedded:tiny-random, then as a real subprocess.
+"""workers/trainer/worker.py: in-process on embedded:tiny-random, then as a real subprocess.
 
 The samples come from `model.generate` with behaviour log-probs taken under
 logits / temperature (what the rollout worker reports), or from the real
@@ -23,16 +23,16 @@ import torch
 from test_engine import _HostReads
 
 from areal_aio import wire
-from areal_aio.safetensors_io import load_weights
 from areal_aio.settings import build_settings
-from areal_aio.workers.microbatch import (
+from areal_aio.store.safetensors_io import load_weights
+from areal_aio.workers.models import TINY, encode_prompt, load_model
+from areal_aio.workers.trainer.microbatch import (
     build_micro_batch,
     build_packed_micro_batch,
     group_row_length,
     prompt_groups,
 )
-from areal_aio.workers.models import TINY, encode_prompt, load_model
-from areal_aio.workers.trainer import Trainer
+from areal_aio.workers.trainer.worker import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 3
@@ -106,7 +106,7 @@ def make_trainer(tmp_path: Path, *overrides: str) -> Trainer:
 
 def weighted_logp(trainer: Trainer, samples: list[wire.TrainSample]) -> float:
     """sum_i A_i * sum_t log pi(token) with GRPO advantages: what policy gradient raises."""
-    from areal_aio.workers.losses import advantages
+    from areal_aio.workers.trainer.losses import advantages
 
     adv = advantages(torch.tensor([s.reward for s in samples]),
                      torch.tensor([s.group for s in samples]))
@@ -320,7 +320,7 @@ def test_packed_forward_equals_the_per_sequence_forward(tmp_path, one_thread, at
 def test_prox_is_the_policy_before_the_update_in_every_mini_batch(tmp_path, batch, monkeypatch) -> None:
     """The first mini-batch reads pi_prox off its own forward, the second takes it from a
     pass before any step: both must equal a no-grad pass on the pre-update weights."""
-    import areal_aio.workers.trainer as trainer_module
+    import areal_aio.workers.trainer.worker as trainer_module
 
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (behav, prox) per micro-batch
     real = trainer_module.losses.token_loss
@@ -367,7 +367,7 @@ def test_sft_loss_is_the_mean_completion_nll_at_temperature_one(tmp_path, one_th
     """The loss is worked out by hand from each sequence alone through the model: the log-softmax
     of its full logits at temperature 1 (the settings' rollout temperature is 0.7), prompt tokens
     left out, averaged over the completion tokens. Nothing is published."""
-    from areal_aio.workers.trainer import SFT_STATS
+    from areal_aio.workers.trainer.worker import SFT_STATS
 
     trainer = make_trainer(tmp_path, "trainer.lr=1e-3", f"trainer.share_prompts={share}")
     samples = sft_samples(trainer.tokenizer)
@@ -508,7 +508,7 @@ def test_rollout_samples_train_with_zero_mismatch_and_v1_loads_back(workers) -> 
 
 
 def test_bf16_auto_follows_the_hardware() -> None:
-    from areal_aio.workers.trainer import bf16_autocast
+    from areal_aio.workers.trainer.worker import bf16_autocast
 
     assert bf16_autocast("on", "cpu") and not bf16_autocast("off", "cpu")
     # auto on a CPU: exactly oneDNN's own answer to "are bf16 matmuls native here?"

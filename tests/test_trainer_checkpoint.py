@@ -1,4 +1,4 @@
-"""workers/checkpoint.py: the trainer's checkpoint part resumes exactly; exports load with transformers."""
+"""workers/trainer/checkpoint.py: the trainer's checkpoint part resumes exactly; exports load with transformers."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from test_trainer import generate_samples, settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_aio import wire
-from areal_aio.weight_store import WeightStore
-from areal_aio.workers import checkpoint
+from areal_aio.store.weights import WeightStore
 from areal_aio.workers.models import TINY, load_model
-from areal_aio.workers.trainer import Trainer
+from areal_aio.workers.trainer import checkpoint
+from areal_aio.workers.trainer.worker import Trainer
 
 
 def trainer(tmp_path, name: str) -> Trainer:

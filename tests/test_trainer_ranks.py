@@ -1,4 +1,4 @@
-"""areal_aio/trainer_ranks.py: a data-parallel trainer behind one client, first over in-process
+"""areal_aio/fleet/trainer_ranks.py: a data-parallel trainer behind one client, first over in-process
 fake ranks (what goes where, which rank failed), then as real gloo ranks in a sync run."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from test_controller import make_settings, orchestrator
 from test_faults import alive
 
 from areal_aio import wire
-from areal_aio.client import KILL_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, WorkerFailed
-from areal_aio.controller import Orchestrator
-from areal_aio.fakes import FakeTrainer
+from areal_aio.control.controller import Orchestrator
+from areal_aio.fleet.client import KILL_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, WorkerFailed
+from areal_aio.fleet.fakes import FakeTrainer
+from areal_aio.fleet.trainer_ranks import TrainerRanks
 from areal_aio.settings import load_settings
-from areal_aio.trainer_ranks import TrainerRanks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,7 +133,7 @@ async def test_killing_rank_1_mid_run_stops_the_run_naming_it(tmp_path):
 async def test_a_checkpoint_of_one_rank_resumes_on_two(tmp_path):
     """Every rank loads the checkpoint's trainer part (optimizer state included; rank 0's
     weights are broadcast), and the run goes on from its version."""
-    from areal_aio import checkpoint
+    from areal_aio.store import checkpoint
 
     folder = tmp_path / "run"
     one = load_settings(ROOT / "settings.toml", TINY + ["trainer.devices=1", "run.max_steps=2",

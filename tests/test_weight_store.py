@@ -1,4 +1,4 @@
-"""areal_aio/weight_store.py: round trips, tied weights, atomic publish, retention, sweeping."""
+"""areal_aio/store/weights.py: round trips, tied weights, atomic publish, retention, sweeping."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from areal_aio import weight_store
-from areal_aio.safetensors_io import load_weights
-from areal_aio.weight_store import WeightStore, WeightStoreError, sweep_dead_runs
+from areal_aio.store import weights as weight_store
+from areal_aio.store.safetensors_io import load_weights
+from areal_aio.store.weights import WeightStore, WeightStoreError, sweep_dead_runs
 from areal_aio.workers.models import TINY, load_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -207,7 +207,7 @@ def test_a_truncated_file_fails_clearly(tmp_path, models) -> None:
 CHILD = """
 import sys, time
 from pathlib import Path
-from areal_aio.weight_store import WeightStore
+from areal_aio.store.weights import WeightStore
 store = WeightStore.create("victim", base=Path(sys.argv[1]))
 (store.root / "v1.safetensors").write_bytes(b"x")
 print(store.root, flush=True)

@@ -1,5 +1,5 @@
 """One protocol, three rollout clients: the same checks run against the in-process fake
-(areal_aio.fakes.FakeRollout), the real subprocess (PipeWorker on embedded:tiny-random) and the
+(areal_aio.fleet.fakes.FakeRollout), the real subprocess (PipeWorker on embedded:tiny-random) and the
 same subprocess in a Ray actor (RayWorker, on a local Ray cluster), all through the
 WorkerClient surface the controller uses, so the fake cannot drift from the worker the
 controller tests stand in for, nor the actor from the pipe.
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from areal_aio import wire
-from areal_aio.client import PipeWorker, WorkerClient, WorkerFailed
-from areal_aio.fakes import FakeRollout
+from areal_aio.fleet.client import PipeWorker, WorkerClient, WorkerFailed
+from areal_aio.fleet.fakes import FakeRollout
 from areal_aio.settings import build_settings
 
 REPLY_TIMEOUT_S = 120.0
@@ -53,7 +53,7 @@ def v1_weights(tmp_path_factory) -> str:
     """A published version 1 (the initial weights, perturbed) the real worker can load."""
     import torch
 
-    from areal_aio.weight_store import WeightStore
+    from areal_aio.store.weights import WeightStore
     from areal_aio.workers.models import TINY, load_model
 
     model, _ = load_model(TINY, seed=3)
@@ -73,7 +73,7 @@ async def start(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> tu
     elif kind == "real":
         client, path = PipeWorker("rollout", tmp_path / "rollout.log"), request.getfixturevalue("v1_weights")
     else:
-        from areal_aio.ray_workers import RayWorker
+        from areal_aio.fleet.ray_workers import RayWorker
 
         request.getfixturevalue("ray_cluster")
         client = RayWorker("rollout", 0, build_settings({}, ["ray.address=local"]), tmp_path / "rollout.log")

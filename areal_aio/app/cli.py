@@ -5,7 +5,7 @@
     eval MODEL [SETTINGS] [--set ...] [--out FILE]
                                              score an HF folder, embedded spec or run folder
                                              on the held-out set (the in-run protocol)
-    sft SETTINGS [--set ...] [--out DIR]     fine-tune on reference replies (areal_aio/sft.py); writes
+    sft SETTINGS [--set ...] [--out DIR]     fine-tune on reference replies (areal_aio/app/sft.py); writes
                                              an HF folder (DIR/model) an RL run's model.path takes
     check SETTINGS [--set ...] | keys
     report RUN_DIR [RUN_DIR ...] [--out DIR] plots and report.md of run folders, finished or not
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import orjson
 
-from areal_aio.checkpoint import CheckpointError
-from areal_aio.client import WorkerFailed
-from areal_aio.preflight import preflight
+from areal_aio.app.preflight import preflight
+from areal_aio.fleet.client import WorkerFailed
 from areal_aio.settings import SettingsError, describe, load_settings
+from areal_aio.store.checkpoint import CheckpointError
 
 ERROR_LOG = "error.log"
 
@@ -85,11 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         print(describe())
         return 0
     if args.command == "report":
-        from areal_aio.report import main as report
+        from areal_aio.app.report import main as report
 
         return report(args.runs, args.out)
     if args.command == "sft":
-        from areal_aio.sft import main as sft
+        from areal_aio.app.sft import main as sft
 
         return sft(args.settings, args.overrides, args.out)
     try:
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _resume(run_dir: str, settings_path: str | None, overrides: list[str], out: str | None) -> int:
     """`run --resume`: the checkpoint's settings plus resumable overrides (CheckpointError else)."""
-    from areal_aio.checkpoint import latest, resume_settings
+    from areal_aio.store.checkpoint import latest, resume_settings
 
     if settings_path is not None or out is not None:
         raise CheckpointError("--resume takes its settings and folder from the run; "
@@ -125,7 +125,7 @@ def _resume(run_dir: str, settings_path: str | None, overrides: list[str], out: 
 
 
 def _eval(model: str, settings_path: str | None, overrides: list[str], out: str | None) -> int:
-    from areal_aio.evaluation import evaluate_model, model_settings
+    from areal_aio.control.evaluation import evaluate_model, model_settings
 
     settings, spec, folder = model_settings(model, settings_path, overrides)
     target = Path(out) if out is not None else folder / "eval.json"
@@ -142,9 +142,9 @@ def _eval(model: str, settings_path: str | None, overrides: list[str], out: str 
 
 def _run(settings, out: str | None, resume=None, rows=None) -> int:
     """Train; `rows`: the task file's rows preflight read (handed on, not read again)."""
-    from areal_aio.controller import Orchestrator
-    from areal_aio.tasks import eval_tasks, training_tasks
-    from areal_aio.trackers import run_tracked
+    from areal_aio.app.trackers import run_tracked
+    from areal_aio.control.controller import Orchestrator
+    from areal_aio.tasks.sources import eval_tasks, training_tasks
 
     given = {} if rows is None else {"tasks": training_tasks(settings, rows=rows),
                                      "eval_set": eval_tasks(settings, rows=rows)}

@@ -40,7 +40,7 @@ from areal_aio.settings import Settings, SettingsError
 R = TypeVar("R")
 
 if TYPE_CHECKING:
-    from areal_aio.tasks import Task
+    from areal_aio.tasks.sources import Task
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 """A Hugging Face hub id: name or org/name. Anything else is a local path."""
@@ -72,7 +72,7 @@ def preflight(settings: Settings, out: str | Path | None = None) -> list[Task] |
 
 def check_tasks(settings: Settings) -> list[Task] | None:
     """The rows of a task file (None for generated tasks); PreflightError naming a bad one."""
-    from areal_aio.tasks import read_tasks
+    from areal_aio.tasks.sources import read_tasks
 
     return read_checked("task.path", settings.task.path, lambda: read_tasks(settings.task),
                         f"a {settings.task.name} file")
@@ -97,7 +97,7 @@ def read_checked(key: str, path: str, read: Callable[[], R], kind: str, missing:
 
 def check_reward(settings: Settings, rows: list[Task] | None) -> None:
     """task.reward's functions import and take what the task rows give them."""
-    from areal_aio.rewards import check_columns, load_rewards
+    from areal_aio.rewards.scoring import check_columns, load_rewards
 
     try:
         check_columns(load_rewards(settings.task), rows)

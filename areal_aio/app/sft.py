@@ -7,12 +7,12 @@
       |  them, completion ids = the assistant's reply up to the token that ends its turn
       v
     trainer worker  <- sft.steps x Train(objective="sft", publish=False), sft.batch_size pairs each
-      |               (token-mean NLL of the completion tokens; workers/trainer.py)
+      |               (token-mean NLL of the completion tokens; workers/trainer/worker.py)
       +-> Save(kind="model") -> <folder>/model/      an HF folder for model.path of an RL run
     rollout worker  greedy replies to the first sft.eval_size held-out prompts: the base model
-                    beside the training, the tuned one after it (areal_aio/evaluation.py)
+                    beside the training, the tuned one after it (areal_aio/control/evaluation.py)
 
-Each eval reports the share of valid step-tagged replies (areal_aio.steps.parse), the pass
+Each eval reports the share of valid step-tagged replies (areal_aio.tasks.steps.parse), the pass
 and strict rates, and why the invalid ones are invalid. When the held-out prompts ask for
 steps (they end in STEP_INSTRUCTION), the base model also answers them with the plain answer
 instruction instead: the pass rate to match without the step format.
@@ -43,12 +43,12 @@ from typing import Any
 import orjson
 
 from areal_aio import wire
-from areal_aio.evaluation import greedy_completions, rates, sample_rows, score
-from areal_aio.preflight import PreflightError, preflight, read_checked
-from areal_aio.rewards import AnswerReward, Scorer
+from areal_aio.app.preflight import PreflightError, preflight, read_checked
+from areal_aio.control.evaluation import greedy_completions, rates, sample_rows, score
+from areal_aio.rewards.scoring import AnswerReward, Scorer
 from areal_aio.settings import SFT, Settings, SettingsError, load_settings
-from areal_aio.steps import STEP_INSTRUCTION, parse
-from areal_aio.tasks import ANSWER_INSTRUCTION, Task, eval_tasks, jsonl_rows, training_tasks
+from areal_aio.tasks.sources import ANSWER_INSTRUCTION, Task, eval_tasks, jsonl_rows, training_tasks
+from areal_aio.tasks.steps import STEP_INSTRUCTION, parse
 
 FOLDER_FILES = ("settings.toml", "sft.json", "steps.jsonl", "samples.jsonl", "model")
 """A folder holding any of these holds a run or a tuning: never written over."""
@@ -106,7 +106,7 @@ def generated_pairs(settings: Settings) -> Iterator[Pair]:
     """The task's training prompts with their reference replies, endless."""
     name = settings.task.name
     if name == "chain":
-        from areal_aio.chain import chain_items
+        from areal_aio.tasks.chain import chain_items
 
         for it in chain_items(settings.task, settings.run.seed):
             yield Pair(f"{it.question} {STEP_INSTRUCTION}", it.solution)
@@ -245,9 +245,9 @@ def check(settings: Settings, folder: Path, out: str | None) -> None:
 
 async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:
     """The whole tuning (module docstring); returns what sft.json holds."""
-    from areal_aio import placement
-    from areal_aio.client import ensure_model
-    from areal_aio.weight_store import WeightStore
+    from areal_aio.fleet import placement
+    from areal_aio.fleet.client import ensure_model
+    from areal_aio.store.weights import WeightStore
 
     t0 = time.perf_counter()
     cfg = settings.sft
@@ -337,7 +337,7 @@ def _tokenize_all(settings: Settings, plan: list[list[Pair]]) -> list[list[tuple
 
 def main(settings_path: str, overrides: list[str], out: str | None) -> int:
     """`python -m areal_aio sft`: exit 0 done, 1 failed (one line; error.log), 2 bad input, 130 / 143."""
-    from areal_aio.cli import exit_code, run_owned
+    from areal_aio.app.cli import exit_code, run_owned
 
     try:
         settings = load_settings(settings_path, overrides)

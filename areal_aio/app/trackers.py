@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from areal_aio.controller import Orchestrator
+    from areal_aio.control.controller import Orchestrator
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 """Tracker name in `run.report_to` -> the import name of the package it needs."""

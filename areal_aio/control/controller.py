@@ -65,21 +65,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from areal_aio import checkpoint, evaluation, keeping, placement, process_reward, stats, wire
-from areal_aio.client import WorkerClient, WorkerFailed
-from areal_aio.progress import Progress
-from areal_aio.replay import Group, ReplayBuffer
-from areal_aio.reward_pool import RewardPoolBroken
-from areal_aio.rewards import Score, Scorer, load_rewards
-from areal_aio.rollout_pool import RolloutPool
-from areal_aio.runlog import RunLog
+from areal_aio import wire
+from areal_aio.control import evaluation, keeping, stats
+from areal_aio.control.progress import Progress
+from areal_aio.control.replay import Group, ReplayBuffer
+from areal_aio.control.runlog import RunLog
+from areal_aio.control.staleness import Admission, staleness
+from areal_aio.control.stats import Busy, Counts
+from areal_aio.control.trainer_link import TrainerLink
+from areal_aio.fleet import placement
+from areal_aio.fleet.client import WorkerClient, WorkerFailed
+from areal_aio.fleet.rollout_pool import RolloutPool
+from areal_aio.rewards import process as process_reward
+from areal_aio.rewards.pool import RewardPoolBroken
+from areal_aio.rewards.scoring import Score, Scorer, load_rewards
 from areal_aio.seeds import sample_seed
 from areal_aio.settings import Settings
-from areal_aio.staleness import Admission, staleness
-from areal_aio.stats import Busy, Counts
-from areal_aio.tasks import Task, eval_tasks, read_tasks, task_stream, training_tasks
-from areal_aio.trainer_link import TrainerLink
-from areal_aio.weight_store import WeightStore
+from areal_aio.store import checkpoint
+from areal_aio.store.weights import WeightStore
+from areal_aio.tasks.sources import Task, eval_tasks, read_tasks, task_stream, training_tasks
 
 MONITOR_PERIOD_S = 0.05
 """Loop-lag probe period: a lag above this much is the loop being blocked."""
@@ -154,7 +158,7 @@ class Orchestrator:
         self._name = name
         self.rollout = RolloutPool.of(rollout or placement.rollout_client(settings, self.folder))
         self.trainer = trainer or placement.trainer_client(settings, self.folder)
-        # the admission rule's state (live, trained, version, capacity): areal_aio.staleness
+        # the admission rule's state (live, trained, version, capacity): areal_aio.control.staleness
         self.admission = Admission(self.B, self.eta, self.max_in_flight,
                                    version=state.get("version", 0), trained=state.get("trained", 0))
         self.step = 0
@@ -177,9 +181,9 @@ class Orchestrator:
         # per rollout worker: its requests and tokens here (its busy time: the pool's); counted
         # afresh by a resumed run, whose rollout.devices may differ
         self._shares: list[stats.WorkerShare] = []
-        # Train and Save requests, their replies, the step in flight: areal_aio.trainer_link
+        # Train and Save requests, their replies, the step in flight: areal_aio.control.trainer_link
         self.link = TrainerLink(self.trainer, self._trainer_busy, self._commit)
-        # checkpoints, resume, model/ and best/, the best eval: areal_aio.keeping
+        # checkpoints, resume, model/ and best/, the best eval: areal_aio.control.keeping
         self.keeper = keeping.Keeper(self, self._ckpt)
         self._subscribers: list[asyncio.Queue] = []
         self.eval_curve: list[dict] = []
@@ -552,7 +556,7 @@ class Orchestrator:
     # ------------------------------------------------------------------ resuming
 
     def run_state(self) -> dict[str, Any]:
-        """The controller's part of a checkpoint, at one instant after a commit (areal_aio.keeping
+        """The controller's part of a checkpoint, at one instant after a commit (areal_aio.control.keeping
         adds the best eval, the resumes, the row files' sizes and the settings)."""
         open_groups = {gid: g.task for gid, g in self._groups.items() if not g.dropped}
         open_groups.update({g.group_id: g.task for g in self.replay.groups()})
@@ -597,7 +601,7 @@ class Orchestrator:
         task.add_done_callback(self._evals.discard)
 
     async def _evaluate(self, step: int, version: int) -> None:
-        """Greedy answers on the held-out set (areal_aio.evaluation); never enters training."""
+        """Greedy answers on the held-out set (areal_aio.control.evaluation); never enters training."""
         loop = asyncio.get_running_loop()
         self.keeper.eval_starts[step] = version
         try:

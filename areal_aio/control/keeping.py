@@ -9,7 +9,7 @@
 
 A checkpoint is the controller's state at one instant after a commit, then the trainer's part
 of that same version (no Train is sent until it is saved: the train loop awaits each Save, a
-stop reads its own replies through the link), then the atomic rename (areal_aio.checkpoint).
+stop reads its own replies through the link), then the atomic rename (areal_aio.store.checkpoint).
 Exports are HF folders written beside the run and replaced whole. With run.keep_best, a new
 best eval's version stays in the weight store (`retain`) until best/ holds it.
 """
@@ -26,13 +26,13 @@ from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
-from areal_aio import checkpoint
-from areal_aio.client import WorkerFailed
-from areal_aio.reward_pool import RewardPoolBroken
+from areal_aio.fleet.client import WorkerFailed
+from areal_aio.rewards.pool import RewardPoolBroken
 from areal_aio.settings import Settings
+from areal_aio.store import checkpoint
 
 if TYPE_CHECKING:
-    from areal_aio.controller import Orchestrator
+    from areal_aio.control.controller import Orchestrator
 
 STOP_SAVE_TIMEOUT_S = 600.0
 """At a stop the trainer may first finish a step in flight, then writes model/ and a checkpoint:
@@ -52,7 +52,7 @@ class Keeper:
     """Writes what outlives the run's processes; owns the best eval and the resumes so far.
 
     `run` gives the folder, log, weight store, clock, eval curve and its part of a checkpoint
-    (all public); trainer requests go through `run.link` (areal_aio.trainer_link)."""
+    (all public); trainer requests go through `run.link` (areal_aio.control.trainer_link)."""
 
     def __init__(self, run: Orchestrator, ckpt: checkpoint.Checkpoint | None) -> None:
         self.run = run
@@ -116,7 +116,7 @@ class Keeper:
 
     async def checkpoint(self, request: Callable[..., Any] | None = None) -> None:
         """Controller state now, trainer part next (the trainer holds this version: no Train is
-        sent until it is saved), then the atomic rename (areal_aio.checkpoint)."""
+        sent until it is saved), then the atomic rename (areal_aio.store.checkpoint)."""
         run = self.run
         t0 = time.perf_counter()
         state = self.state()

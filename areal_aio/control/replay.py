@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from areal_aio.staleness import is_stale
+from areal_aio.control.staleness import is_stale
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@
         model/             the policy of the last committed version, a plain HF folder
                            (written at every stop that committed an update)
         best/              run.keep_best: the trained version with the best eval pass rate
-        checkpoints/       step-<N>/ folders that `run --resume` continues (areal_aio.checkpoint)
+        checkpoints/       step-<N>/ folders that `run --resume` continues (areal_aio.store.checkpoint)
         eval.json          written by `python -m areal_aio eval RUN_FOLDER`
         .lock              held by the run using the folder
 

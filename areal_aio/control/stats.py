@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal_aio import wire
-from areal_aio.rewards import Score, component_means
+from areal_aio.rewards.scoring import Score, component_means
 from areal_aio.settings import Settings
 
 

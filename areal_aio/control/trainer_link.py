@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from areal_aio import wire
-from areal_aio.client import WorkerClient
-from areal_aio.stats import Busy
+from areal_aio.control.stats import Busy
+from areal_aio.fleet.client import WorkerClient
 
 
 class TrainerLink:

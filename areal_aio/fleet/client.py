@@ -3,7 +3,7 @@
 The controller sees only `WorkerClient`: prepare (the model files it needs, before start),
 start (Init -> Ready), send, send_many (several frames, one wait on the pipe), recv (None at
 end of stream), failure, stop. `PipeWorker` runs the real subprocess;
-`areal_aio.ray_workers.RayWorker` runs it in a Ray actor; `areal_aio.fakes` has in-process
+`areal_aio.fleet.ray_workers.RayWorker` runs it in a Ray actor; `areal_aio.fleet.fakes` has in-process
 fakes with the same surface, the seam the controller tests and the overhead benchmark use.
 
 A dead worker looks the same through every client: recv gives an Error or None (end of

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_aio import wire
-from areal_aio.client import WorkerFailed, worker_failed
+from areal_aio.fleet.client import WorkerFailed, worker_failed
 
 
 @functools.lru_cache(maxsize=4096)

@@ -4,7 +4,7 @@
     trainer.devices = [d0, d1, ...]  ->  one trainer rank per entry
 
 A role with one worker is that worker's client: PipeWorker (a local subprocess), or with
-ray.address set RayWorker (the same subprocess inside a Ray actor, areal_aio/ray_workers.py).
+ray.address set RayWorker (the same subprocess inside a Ray actor, areal_aio/fleet/ray_workers.py).
 Several rollout workers are one RolloutPool (rollout_pool.py), several trainer ranks one
 TrainerRanks (trainer_ranks.py), whichever client each worker has. The controller never sees
 how many workers a role has, nor where: it holds one WorkerClient per role.
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from areal_aio.client import PipeWorker, WorkerClient
-from areal_aio.rollout_pool import RolloutPool
+from areal_aio.fleet.client import PipeWorker, WorkerClient
+from areal_aio.fleet.rollout_pool import RolloutPool
+from areal_aio.fleet.trainer_ranks import TrainerRanks
 from areal_aio.settings import Settings
-from areal_aio.trainer_ranks import TrainerRanks
 
 
 def worker(role: str, index: int, count: int, settings: Settings, folder: Path) -> WorkerClient:
@@ -26,7 +26,7 @@ def worker(role: str, index: int, count: int, settings: Settings, folder: Path) 
     threads = settings.rollout.threads if role == "rollout" else settings.trainer.threads
     log = folder / (f"{role}.log" if count == 1 else f"{role}-{index}.log")
     if settings.ray.address:
-        from areal_aio.ray_workers import RayWorker  # ray is an optional extra
+        from areal_aio.fleet.ray_workers import RayWorker  # ray is an optional extra
 
         return RayWorker(role, index, settings, log)
     return PipeWorker(role, log, threads)
@@ -44,7 +44,7 @@ def rollout_client(settings: Settings, folder: Path) -> WorkerClient:
 
 def trainer_client(settings: Settings, folder: Path) -> WorkerClient:
     """The trainer role's client: one worker, or the ranks of a data-parallel trainer
-    (areal_aio.trainer_ranks) with trainer.devices (one entry too: each rank is told its
+    (areal_aio.fleet.trainer_ranks) with trainer.devices (one entry too: each rank is told its
     device in its Init)."""
     devices = settings.trainer_devices
     if devices == [settings.trainer.device]:

@@ -49,7 +49,7 @@ from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from areal_aio import wire
-from areal_aio.client import (
+from areal_aio.fleet.client import (
     KILL_TIMEOUT_S,
     READY_TIMEOUT_S,
     SHUTDOWN_TIMEOUT_S,
@@ -61,7 +61,7 @@ from areal_aio.client import (
     worker_failed,
 )
 from areal_aio.settings import Settings
-from areal_aio.weight_store import WeightStore
+from areal_aio.store.weights import WeightStore
 
 KEPT_VERSIONS = 2
 """Weight files a rollout actor keeps: the newest and the one before, which its worker may hold

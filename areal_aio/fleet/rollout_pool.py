@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from areal_aio import wire
-from areal_aio.client import WorkerClient, WorkerFailed
-from areal_aio.stats import Busy
+from areal_aio.control.stats import Busy
+from areal_aio.fleet.client import WorkerClient, WorkerFailed
 
 
 class RolloutPool:

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from areal_aio import wire
-from areal_aio.client import WorkerClient, WorkerFailed
+from areal_aio.fleet.client import WorkerClient, WorkerFailed
 
 EVERY_RANK = (wire.Train, wire.Shutdown)
 """What every rank gets; anything else (Save) goes to rank 0 only."""

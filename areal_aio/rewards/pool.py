@@ -1,6 +1,6 @@
 """The reward pool: a few processes that run picklable sync reward functions, one call each.
 
-    controller loop                           pool process (python -m areal_aio.reward_pool)
+    controller loop                           pool process (python -m areal_aio.rewards.pool)
       call(task, text) --frame (which, task, text, kwargs)-->  main thread: fns[which](task, text, **kwargs)
         wait_for(reply, timeout_s)   <--frame--  ("ok", value) | ("raised", "Type: message")
         timeout:  kill, respawn on next use      reader thread: stdin EOF -> exit at once
@@ -202,7 +202,7 @@ class RewardPool:
         log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - handed to the child
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "areal_aio.reward_pool", stdin=asyncio.subprocess.PIPE,
+                sys.executable, "-m", "areal_aio.rewards.pool", stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=log, env=env, start_new_session=True)
         finally:
             if log:

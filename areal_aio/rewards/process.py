@@ -38,11 +38,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from areal_aio import wire
-from areal_aio.rewards import Score
+from areal_aio.rewards.scoring import Score
 from areal_aio.seeds import continuation_seed
 from areal_aio.settings import ProcessSettings, Settings
-from areal_aio.steps import StepReply, parse
-from areal_aio.tasks import Task
+from areal_aio.tasks.sources import Task
+from areal_aio.tasks.steps import StepReply, parse
 
 ID_PREFIX = "p"
 """Continuation request ids start with this (training rollouts 'g', eval requests 'eval')."""

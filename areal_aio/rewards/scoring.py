@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from areal_aio.reward_pool import RewardPool, RewardPoolBroken
+from areal_aio.rewards.pool import RewardPool, RewardPoolBroken
 from areal_aio.settings import SettingsError, TaskSettings, reward_parts
-from areal_aio.tasks import Task
+from areal_aio.tasks.sources import Task
 
 KEY = "task.reward"
 P = inspect.Parameter

@@ -4,7 +4,7 @@
         step-000020/                 one complete checkpoint (the newest run.keep_checkpoints kept)
             manifest.json            {"format", "step", "version", "files": {relative path: bytes}}
             controller.json          the controller's state (see keeping.Keeper.state)
-            trainer/                 the trainer's part (workers/checkpoint.py): fp32 policy,
+            trainer/                 the trainer's part (workers/trainer/checkpoint.py): fp32 policy,
                                      optimizer, torch RNG, version
         .step-000040.tmp/            being written; never read
 

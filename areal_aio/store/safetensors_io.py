@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from areal_aio.weight_store import WeightStoreError
+from areal_aio.store.weights import WeightStoreError
 
 # ---- the safetensors format, written and read without intermediate copies -------------------
 #

@@ -6,12 +6,12 @@
                                          so a reader never sees half a file
 
 The trainer publishes (`publish`), a Ray rollout actor on another node stores the bytes it was
-shipped (`put`, areal_aio/ray_workers.py), the rollout worker loads
-(`areal_aio.safetensors_io.load_weights`),
+shipped (`put`, areal_aio/fleet/ray_workers.py), the rollout worker loads
+(`areal_aio.store.safetensors_io.load_weights`),
 the controller decides what to keep (`retain`) and removes the folder
 (`close`). Tied weights (lm_head = embed_tokens) are written once and tied
 again on load. The bytes themselves are written and read by
-`areal_aio.safetensors_io`, imported only by `publish`, so the controller stays free of torch.
+`areal_aio.store.safetensors_io`, imported only by `publish`, so the controller stays free of torch.
 """
 
 from __future__ import annotations
@@ -129,7 +129,12 @@ class WeightStore:
         `dtype` (a torch dtype) casts floating tensors on the way out, in small pieces
         through one scratch buffer, so a bf16 copy of the whole model is never allocated.
         """
-        from areal_aio.safetensors_io import HEADER_ROOM, out_dtype, unique_state, write_safetensors
+        from areal_aio.store.safetensors_io import (
+            HEADER_ROOM,
+            out_dtype,
+            unique_state,
+            write_safetensors,
+        )
 
         state = unique_state(model)
         need = HEADER_ROOM + sum(t.numel() * out_dtype(t, dtype).itemsize for t in state.values())

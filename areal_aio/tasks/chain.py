@@ -2,7 +2,7 @@
 
     item (seed, i) -> "Calculate 4 - 1 + 7." + STEP_INSTRUCTION, answer "10",
                       steps ("4 - 1 = 3", "3 + 7 = 10")
-                      solution (what cold-start SFT learns, areal_aio.steps.render):
+                      solution (what cold-start SFT learns, areal_aio.tasks.steps.render):
                           Step 1: 4 - 1 = 3
                           Step 2: 3 + 7 = 10
                           <answer>10</answer>
@@ -29,8 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from areal_aio.settings import TaskSettings
-from areal_aio.steps import STEP_INSTRUCTION, render
-from areal_aio.tasks import Task
+from areal_aio.tasks.sources import Task
+from areal_aio.tasks.steps import STEP_INSTRUCTION, render
 
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
 FIRST = ("*", "/")

@@ -5,7 +5,7 @@ A task source is any iterable (or async iterable) of `Task`. Built in:
     (two-term single-digit + and - by default), an endless stream for training
     and a fixed held-out set drawn from `task.eval_seed` for evaluation;
   * chain: multi-step arithmetic with a worked solution per task, in the step-tagged
-    reply format (areal_aio/chain.py);
+    reply format (areal_aio/tasks/chain.py);
   * rows from a file (`task.path`), cycled for training, the last `task.eval_size` held out:
       jsonl     one JSON object a line (a bad row is named as file:line)
       parquet   a Parquet file (pyarrow)
@@ -220,7 +220,7 @@ def training_tasks(settings: Settings, start: int = 0, rows: list[Task] | None =
         offset = start % len(train)
         return itertools.cycle(train[offset:] + train[:offset])
     if settings.task.name == "chain":
-        from areal_aio.chain import chain_stream
+        from areal_aio.tasks.chain import chain_stream
 
         return chain_stream(settings.task, settings.run.seed, start)
     return arithmetic_stream(settings.task, settings.run.seed, start)
@@ -233,7 +233,7 @@ def eval_tasks(settings: Settings, rows: list[Task] | None = None) -> list[Task]
     if rows is not None:
         return rows[-settings.task.eval_size:]
     if settings.task.name == "chain":
-        from areal_aio.chain import chain_eval
+        from areal_aio.tasks.chain import chain_eval
 
         return chain_eval(settings.task)
     return list(_arithmetic(settings.task, settings.task.eval_seed, settings.task.eval_size, "e"))

@@ -1,6 +1,6 @@
 """The rollout engine: interruptible continuous-batching generation on a plain transformers model.
 
-No pipe code here: `workers/rollout.py` feeds it messages; tests drive it directly.
+No pipe code here: `workers/rollout/worker.py` feeds it messages; tests drive it directly.
 
     add(request) -> waiting (FIFO) --admit when a slot frees--> running rows (<= max_batch)
     advance(n): admit: KV of each distinct new prompt (prefix cache, else one forward pass),
@@ -35,10 +35,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from areal_aio.safetensors_io import load_weights
 from areal_aio.seeds import derive
+from areal_aio.store.safetensors_io import load_weights
 from areal_aio.wire import Completion, WeightsLoaded
-from areal_aio.workers.sampling import draw, nucleus, uniforms
+from areal_aio.workers.rollout.sampling import draw, nucleus, uniforms
 
 GREEDY_BELOW = 1e-5
 """A temperature under this is greedy decoding (the wire says 0; floats may arrive as 1e-9)."""

@@ -28,8 +28,8 @@ from typing import Any
 from areal_aio import wire
 from areal_aio.settings import Settings
 from areal_aio.workers.common import EOF, Channel, configure_torch, serve
-from areal_aio.workers.engine import Engine, Request
 from areal_aio.workers.models import encode_prompt, load_model
+from areal_aio.workers.rollout.engine import Engine, Request
 
 IDLE_WAIT_S = 1.0
 """Blocking wait for a message when there is nothing to generate (wakes at once on a message)."""

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from areal_aio import wire
-from areal_aio.safetensors_io import copy_as_hf_weights, load_weights
-from areal_aio.weight_store import WeightStore
+from areal_aio.store.safetensors_io import copy_as_hf_weights, load_weights
+from areal_aio.store.weights import WeightStore
 
 
 def fsync_tree(folder: Path) -> int:

@@ -1,7 +1,7 @@
 """Data parallelism for the trainer: the ranks, the split of a step's micro-batches, the reductions.
 
 With `trainer.devices` the trainer runs as N processes, torch.distributed ranks (gloo on the
-CPU, NCCL on GPUs), each started by the controller like a single trainer (areal_aio.trainer_ranks):
+CPU, NCCL on GPUs), each started by the controller like a single trainer (areal_aio.fleet.trainer_ranks):
 
     every rank: the whole Train -> advantages (of the whole batch), mini-batches
       |  each mini-batch's rows (a packed group, or a sample) dealt out by the positions

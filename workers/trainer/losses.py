@@ -9,7 +9,7 @@ it is testable by hand on tiny tensors and knows nothing about models or pipes.
     k3_kl(logp[T], ref[T])                                  -> kl[T]
     token_logprobs(hidden[T, H], head[V, H], targets[T])   -> logp[T], entropy[T]
 
-Aggregation is the caller's (workers/trainer.py): token-level, i.e. the sum of
+Aggregation is the caller's (workers/trainer/worker.py): token-level, i.e. the sum of
 token losses over the mini-batch divided by its number of completion tokens,
 which is also Dr. GRPO's "no per-sequence length normalization".
 """

@@ -1,6 +1,6 @@
 """Micro-batch tensors: the layout in which the trainer computes a few samples' completion tokens.
 
-`workers/packing.py` decides which samples share a micro-batch (counting tokens);
+`workers/trainer/packing.py` decides which samples share a micro-batch (counting tokens);
 this module builds their tensors. Two layouts, both giving every completion token
 the log-prob of the plain per-sequence forward:
 
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from areal_aio import wire
-from areal_aio.workers.packing import micro_batches, split
+from areal_aio.workers.trainer.packing import micro_batches, split
 
 PACKED_ATTENTION = ("sdpa", "eager")
 """Attention implementations that take a custom 4D mask as given (transformers returns a 4D

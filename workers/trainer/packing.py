@@ -5,7 +5,7 @@ computes `len(members) * longest` token positions; the packer keeps that
 product at or under `max_tokens`. Long and short rows then share memory well
 without a fixed micro-batch size, and gradients accumulate across micro-batches.
 A row is a sample (prompt + completion) or, with shared prompts, a whole group
-packed into one row (workers/microbatch.py builds both): the lengths given here
+packed into one row (workers/trainer/microbatch.py builds both): the lengths given here
 are what the model computes, so the budget counts the real work.
 
     lengths [7, 3, 9, 2], max_tokens 16  ->  [[0, 1], [2], [3]]   (2*7, 1*9, 1*2)

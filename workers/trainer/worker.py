@@ -13,7 +13,7 @@
       v  publish v<version+1> in the rollout dtype, version += 1
     Trained(step, version + 1, path, stats)
 
-With several ranks (trainer.devices; workers/data_parallel.py) every rank plans the whole
+With several ranks (trainer.devices; workers/trainer/data_parallel.py) every rank plans the whole
 batch, forwards its share of each mini-batch's micro-batches, and the gradients are summed
 before the clip; the stats are of the whole batch (summed, min and max over the ranks);
 rank 0 publishes, the others answer Trained with path "".
@@ -34,7 +34,7 @@ Prompt sharing (trainer.share_prompts; auto = on for CPU): the samples of a GRPO
 group share one prompt, and their replies range from 2 to 64 tokens. Each group
 is packed into one row: its prompt once, then its completions one after another,
 each seeing only the prompt and its own past (a 4D mask, position ids restarting
-after the prompt; workers/microbatch.py). The result equals the per-sequence
+after the prompt; workers/trainer/microbatch.py). The result equals the per-sequence
 forward (a test checks log-probs and gradients), and the work is the real tokens,
 P + sum(C_i - 1) per group, where rows padded to the longest reply cost
 G * (P + C_max) unshared and P + G * (C_max - 1) with the prompt's KV shared:
@@ -68,17 +68,17 @@ import torch
 
 from areal_aio import wire
 from areal_aio.settings import SFT, Settings, TrainerSettings
-from areal_aio.weight_store import WeightStore
-from areal_aio.workers import checkpoint, losses
+from areal_aio.store.weights import WeightStore
 from areal_aio.workers.common import EOF, Channel, configure_torch, serve
-from areal_aio.workers.data_parallel import Ranks
-from areal_aio.workers.microbatch import (
+from areal_aio.workers.models import load_model
+from areal_aio.workers.trainer import checkpoint, losses
+from areal_aio.workers.trainer.data_parallel import Ranks
+from areal_aio.workers.trainer.microbatch import (
     PACKED_ATTENTION,
     MicroBatch,
     check_samples,
     plan_micro_batches,
 )
-from areal_aio.workers.models import load_model
 
 HEAD_CHECK_ATOL = 1e-4
 """Chunked head vs the model's own logits at init: fp32 agreement well inside this means the
@@ -430,7 +430,7 @@ class Trainer:
             "adv_abs_mean": float(adv.abs().mean()),
         }
 
-    # ---- keeping the run (workers/checkpoint.py) -----------------------------------------
+    # ---- keeping the run (workers/trainer/checkpoint.py) -----------------------------------------
 
     def save(self, msg: wire.Save) -> wire.Saved:
         """Export the policy or write the checkpoint part, between two updates."""

@@ -1,0 +1,3 @@
+from areal_aio.workers.rollout.worker import main
+
+raise SystemExit(main())

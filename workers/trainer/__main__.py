@@ -1,0 +1,3 @@
+from areal_aio.workers.trainer.worker import main
+
+raise SystemExit(main())
