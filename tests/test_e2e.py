@@ -21,9 +21,10 @@ from areal_aio.control.controller import Orchestrator
 from areal_aio.fleet.client import KILL_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, WorkerFailed
 from areal_aio.settings import build_settings, load_settings
 from areal_aio.tasks.sources import Task
+from tests.conftest import ROOT as ROOT
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
+
 TINY = ["model.path=embedded:tiny-random", "rollout.max_new_tokens=12", "rollout.group_size=4",
         "trainer.batch_size=8", "task.eval_size=8", "task.eval_every=2", "run.progress=false",
         "trainer.bf16=false", "controller.reward_procs=0"]

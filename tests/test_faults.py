@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 
 from areal_aio.rewards.pool import MAX_BREAKS
+from tests.conftest import ROOT as ROOT
+from tests.conftest import alive
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
+
 SHM = Path(os.environ.get("AREAL_AIO_SHM", "/dev/shm/areal_aio"))
 TINY = ["model.path=embedded:tiny-random", "rollout.max_new_tokens=12", "rollout.group_size=4",
         "trainer.batch_size=8", "task.eval_size=8", "task.eval_every=2", "run.progress=false",
@@ -26,14 +28,6 @@ TINY = ["model.path=embedded:tiny-random", "rollout.max_new_tokens=12", "rollout
 START_TIMEOUT_S = 120.0
 GONE_TIMEOUT_S = 20.0
 ROLES = {"areal_aio.workers.rollout": "rollout", "areal_aio.workers.trainer": "trainer", "areal_aio.rewards.pool": "reward"}
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def descendants(root: int) -> dict[int, str]:

@@ -7,9 +7,8 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT as ROOT
 
 
 def test_wheel_ships_workers_inside_the_areal_aio_namespace(tmp_path):

@@ -4,11 +4,11 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT as ROOT
+
 README = (ROOT / "README.md").read_text()
 
 

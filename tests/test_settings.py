@@ -2,7 +2,6 @@ import os
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +13,7 @@ from areal_aio.settings import (
     load_settings,
     resolved_settings,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT as ROOT
 
 
 def test_default_file_loads_and_matches_dataclass_defaults():

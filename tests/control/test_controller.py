@@ -15,36 +15,8 @@ from areal_aio.control.stats import Busy
 from areal_aio.control.trainer_link import TrainerLink
 from areal_aio.fleet.client import WorkerFailed
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
-from areal_aio.fleet.rollout_pool import RolloutPool
 from areal_aio.settings import build_settings
-from areal_aio.tasks.sources import Task, arithmetic_prompt
-
-
-def tasks(n: int | None = None, start: int = 0):
-    i = start
-    while n is None or i < start + n:
-        a, b = i % 10, (i * 7) % 10
-        yield Task(id=f"t{i}", prompt=arithmetic_prompt(f"Calculate {a} + {b}."), answer=str(a + b))
-        i += 1
-
-
-def make_settings(mode: str = "areal", **overrides):
-    raw = {
-        "run": {"mode": mode, "max_steps": 6, "progress": False},
-        "model": {"path": "embedded:tiny-random"},
-        "task": {"eval_size": 4, "eval_every": 2},
-        "rollout": {"group_size": 2},
-        "trainer": {"batch_size": 4},
-        "controller": {"reward_procs": 0},
-    }
-    sets = [f"{k}={orjson.dumps(v).decode()}" for k, v in overrides.items()]
-    return build_settings(raw, sets)
-
-
-def orchestrator(tmp_path, settings, rollout=None, trainer=None, **kw):
-    return Orchestrator(settings, tasks=kw.pop("tasks", tasks()), eval_set=list(tasks(4, start=100)),
-                        out_dir=tmp_path / "run", rollout=rollout or FakeRollout(),
-                        trainer=trainer or FakeTrainer(), **kw)
+from tests.conftest import WORKERS, make_settings, orchestrator, rollouts, tasks
 
 
 class JitteryRollout(FakeRollout):
@@ -56,17 +28,6 @@ class JitteryRollout(FakeRollout):
 
     def token_delay(self, request_id):
         return self.rng.choice([0.0, 0.0005, 0.002, 0.006])
-
-
-WORKERS = [1, 2, 4]
-"""Rollout worker counts the admission and staleness rules are checked with: global and exact."""
-
-
-def rollouts(n: int, make=lambda i: FakeRollout()) -> tuple[list[FakeRollout], RolloutPool | FakeRollout]:
-    """n fake rollout workers (`make(i)` builds worker i) and the client the controller gets
-    for them: the one fake, or a RolloutPool of them (as placement builds for rollout.devices)."""
-    fakes = [make(i) for i in range(n)]
-    return fakes, fakes[0] if n == 1 else RolloutPool(fakes)
 
 
 def merged_log(fakes: list[FakeRollout]) -> list[tuple]:

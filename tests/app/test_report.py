@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from test_controller import make_settings, orchestrator
 
 from areal_aio.app import cli
 from areal_aio.app.report import default_out, figures, read_run, read_runs
+from tests.conftest import make_settings, orchestrator
 
 STEPS = 6
 STALENESS = [0, 1, 1, 2]  # of each step's four samples

@@ -7,12 +7,9 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import orjson
 import pytest
-from test_controller import make_settings, orchestrator
-from test_faults import alive
 
 from areal_aio import wire
 from areal_aio.control.controller import Orchestrator
@@ -20,8 +17,8 @@ from areal_aio.fleet.client import KILL_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, WorkerFai
 from areal_aio.fleet.fakes import FakeTrainer
 from areal_aio.fleet.trainer_ranks import TrainerRanks
 from areal_aio.settings import load_settings
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT as ROOT
+from tests.conftest import alive, make_settings, orchestrator
 
 
 def ranks(*fakes: FakeTrainer) -> TrainerRanks:

@@ -27,8 +27,8 @@ from areal_aio.rewards.scoring import Score
 from areal_aio.settings import build_settings
 from areal_aio.tasks.sources import ANSWER_INSTRUCTION, Task, eval_tasks
 from areal_aio.tasks.steps import STEP_INSTRUCTION, parse
+from tests.conftest import ROOT as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 CHAIN = {"task": {"name": "chain", "terms": 3, "eval_size": 8}, "sft": {"steps": 5, "batch_size": 4, "eval_size": 8}}
 
 

@@ -20,6 +20,7 @@ from areal_aio.rewards.scoring import (
 )
 from areal_aio.settings import SettingsError, build_settings
 from areal_aio.tasks.sources import Task
+from tests.conftest import ROOT
 
 T = Task("t", "Calculate 3 + 4.", "7")
 
@@ -146,10 +147,10 @@ async def test_a_dead_pool_process_is_replaced_not_scored_zero_forever():
 
 HUNG = """
 import asyncio, sys, time
-sys.path.insert(0, {tests!r})
+sys.path.insert(0, {tests!r})  # the repository: tests.conftest
 from areal_aio.rewards.scoring import Scorer
 from areal_aio.tasks.sources import Task
-from test_rewards import hangs
+from tests.conftest import hangs
 
 async def main():
     scorer = Scorer({fn}, timeout_s=0.5, procs={procs})
@@ -161,18 +162,13 @@ asyncio.run(main())
 """
 
 
-def hangs(task, text):
-    time.sleep(3600)
-    return 1.0
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("fn,procs", [("hangs", 1), ("hangs", 0), ("lambda t, c: hangs(t, c)", 1)])
 def test_a_hung_sync_reward_times_out_and_the_process_still_exits(fn, procs):
     """In the pool (killed), in a thread for an unpicklable function (abandoned, a daemon), or
     in a thread for any user function with procs = 0 (never inline on the loop): the call fails
     at its timeout and the process still exits."""
-    tests = os.path.dirname(os.path.abspath(__file__))
+    tests = str(ROOT)
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", HUNG.format(tests=tests, fn=fn, procs=procs)],
                           capture_output=True, text=True, timeout=60)

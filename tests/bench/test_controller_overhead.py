@@ -20,8 +20,7 @@ from areal_aio.settings import load_settings
 from areal_aio.tasks.sources import Task, arithmetic_prompt
 from bench import controller_overhead, staleness_ablation, time_to_threshold
 from bench.common import Cell, finished_summary, run_grid, stats
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT as REPO
 
 
 def summary(ttt: float | None, final: float = 0.5, initial: float = 0.1, **extra) -> dict:

@@ -20,10 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_engine import _HostReads
 
 from areal_aio import wire
-from areal_aio.settings import build_settings
 from areal_aio.store.safetensors_io import load_weights
 from areal_aio.workers.models import TINY, encode_prompt, load_model
 from areal_aio.workers.trainer.microbatch import (
@@ -33,54 +31,19 @@ from areal_aio.workers.trainer.microbatch import (
     prompt_groups,
 )
 from areal_aio.workers.trainer.worker import Trainer
+from tests.conftest import ROOT as REPO
+from tests.conftest import TRAINER_GROUP as GROUP
+from tests.conftest import TRAINER_NEW_TOKENS as NEW_TOKENS
+from tests.conftest import TRAINER_PROMPTS as PROMPTS
+from tests.conftest import TRAINER_SEED as SEED
+from tests.conftest import TRAINER_TEMPERATURE as TEMPERATURE
+from tests.conftest import HostReads, generate_samples, reward_of
+from tests.conftest import trainer_settings as settings
 
-REPO = Path(__file__).resolve().parent.parent
-SEED = 3
-TEMPERATURE = 0.7
 REPLY_TIMEOUT_S = 120.0
 """Generous: a cold worker imports torch and transformers on a busy 2-core machine."""
 MISMATCH_KL_MAX = 1e-6
-PROMPTS = ("What is 2 + 3?", "Name a colour.")
-GROUP = 4
-NEW_TOKENS = 10
 
-
-def settings(*overrides: str) -> Any:
-    return build_settings({}, (f"model.path={TINY}", f"run.seed={SEED}", "trainer.bf16=false",
-                               f"rollout.temperature={TEMPERATURE}", f"rollout.group_size={GROUP}",
-                               f"trainer.batch_size={GROUP * len(PROMPTS)}", *overrides))
-
-
-def reward_of(ids: list[int]) -> float:
-    """A deterministic reward with spread inside each group: share of even token ids."""
-    return sum(1 for i in ids if i % 2 == 0) / max(len(ids), 1)
-
-
-def generate_samples(model: Any, tok: Any, version: int = 0, seed: int = 0) -> list[wire.TrainSample]:
-    """GROUP samples per prompt with behaviour log-probs under logits / TEMPERATURE."""
-    out = []
-    gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        for g, prompt in enumerate(PROMPTS):
-            ids = encode_prompt(tok, prompt)
-            x = torch.tensor([ids])
-            res = model.generate(x, attention_mask=torch.ones_like(x), do_sample=True,
-                                 temperature=TEMPERATURE, top_k=0, top_p=1.0,
-                                 max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 num_return_sequences=GROUP, output_logits=True,
-                                 return_dict_in_generate=True)
-            logits = torch.stack(res.logits, 1).float()  # [G, N, V]
-            comp = res.sequences[:, len(ids):]  # [G, N]
-            logp = torch.log_softmax(logits / TEMPERATURE, -1).gather(2, comp[..., None])[..., 0]
-            for k in range(GROUP):
-                c = comp[k].tolist()
-                out.append(wire.TrainSample(prompt_ids=ids, completion_ids=c,
-                                            logprobs=logp[k].tolist(), versions=[version] * len(c),
-                                            reward=reward_of(c), group=g))
-    finally:
-        torch.random.set_rng_state(gen_state)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +111,7 @@ def test_host_reads_of_an_update_do_not_grow_with_its_micro_batches(tmp_path) ->
         samples = mixed_samples(trainer.model.config.vocab_size)
         plan = trainer._micro_batches
         trainer._micro_batches = lambda *a, plan=plan: plans.append(out := plan(*a)) or out
-        with _HostReads() as seen:
+        with HostReads() as seen:
             trainer.train(wire.Train(step=0, version=0, samples=samples))
         reads.append(Counter(name for name in seen.seen if name not in ("tensor", "as_tensor")))
     assert [len(p) for p in plans] == [1, 1, 3, 4]

@@ -6,11 +6,11 @@ import struct
 
 import orjson
 import pytest
-from test_controller import make_settings, orchestrator
 
 from areal_aio.app import trackers
 from areal_aio.app.trackers import EVAL_METRICS, STEP_METRICS, metrics, report_to_error, run_tracked
 from areal_aio.settings import SettingsError
+from tests.conftest import make_settings, orchestrator
 
 WANDB_BLOCK = 32 * 1024
 

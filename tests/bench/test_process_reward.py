@@ -6,13 +6,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from bench import process_reward
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT as REPO
 
 
 def point(step: int, wall: float, tokens: int, passed: float, strict: float = 0.0) -> dict:
@@ -62,7 +60,7 @@ def test_aggregate_compares_arms_at_the_end_and_at_equal_tokens():
 
 @pytest.mark.slow
 def test_process_reward_quick_end_to_end_with_a_model_that_writes_steps(tmp_path):
-    from step_model import build_step_model
+    from tests.conftest import build_step_model
 
     model = build_step_model(tmp_path / "model")
     out = tmp_path / "out"

@@ -6,13 +6,13 @@ import copy
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from areal_aio.store.weights import WeightStore
 from areal_aio.workers.models import TINY, encode_prompt, load_model
 from areal_aio.workers.rollout import engine as engine_module
 from areal_aio.workers.rollout.engine import HEADROOM_TOKENS, Engine, Request, _Seq, _tail_buckets
+from tests.conftest import HostReads
 
 PROMPTS = ["Calculate 3 + 4.", "What is 12 - 5? Put the answer in <answer></answer> tags.", "Hi",
            "Calculate 7 * 8 and explain every step of the way, slowly and carefully."]
@@ -63,25 +63,6 @@ def _reference_logprobs(model, completion, temperature: float, top_p: float) -> 
             logits = TopPLogitsWarper(top_p)(None, logits)
     logp = torch.log_softmax(logits, dim=-1)
     return logp.gather(1, torch.tensor(completion.completion_ids)[:, None])[:, 0].tolist()
-
-
-HOST_READS = {"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "cpu", "numpy", "tensor",
-              "as_tensor"}
-"""Tensor calls that wait for a device (a value read on the host) or copy host data onto it."""
-
-
-class _HostReads(TorchFunctionMode):
-    """Records the torch calls in HOST_READS made while active (transformers' included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in HOST_READS:
-            self.seen.append(name)
-        return func(*args, **(kwargs or {}))
 
 
 def _mixed_requests(tok, n: int, **kw) -> list[Request]:
@@ -326,7 +307,7 @@ def test_a_decode_step_reads_nothing_on_the_host(tiny):
     decode, looks, seen = engine._decode, [], []
 
     def watched(b):
-        with _HostReads() as reads:
+        with HostReads() as reads:
             decode(b)
         seen.extend(reads.seen)
 

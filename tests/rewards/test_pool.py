@@ -16,6 +16,7 @@ import pytest
 from areal_aio.rewards.pool import MAX_BREAKS, RewardCallFailed, RewardPool, RewardPoolBroken
 from areal_aio.rewards.scoring import Scorer
 from areal_aio.tasks.sources import Task
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # real pool processes, a second or two each
 T = Task("t", "Calculate 3 + 4.", "7")
@@ -37,10 +38,6 @@ def answer_len(task: Task, text: str) -> float:
     if text == "raise":
         raise ValueError("bad input")
     return float(len(text))
-
-
-def pid_of_worker(task: Task, text: str) -> float:
-    return float(os.getpid())
 
 
 async def test_calls_run_in_pool_processes_and_return_values():
@@ -142,10 +139,10 @@ async def test_close_kills_a_process_in_a_hung_call():
 
 OWNER = textwrap.dedent("""
     import asyncio, os, sys, time
-    sys.path.insert(0, {tests!r})
+    sys.path.insert(0, {tests!r})  # the repository: tests.conftest
     from areal_aio.rewards.pool import RewardPool
     from areal_aio.tasks.sources import Task
-    from test_reward_pool import pid_of_worker
+    from tests.conftest import pid_of_worker
 
     async def main():
         pool = RewardPool(pid_of_worker, procs=2, timeout_s=30)
@@ -159,7 +156,7 @@ OWNER = textwrap.dedent("""
 
 def test_pool_processes_die_with_their_owner_and_start_no_resource_tracker():
     """SIGKILL of the process that owns the pool takes every pool process with it."""
-    tests = os.path.dirname(os.path.abspath(__file__))
+    tests = str(ROOT)
     owner = subprocess.Popen([sys.executable, "-c", OWNER.format(tests=tests)], stdout=subprocess.PIPE,
                              text=True, start_new_session=True)
     try:

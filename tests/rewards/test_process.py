@@ -10,7 +10,6 @@ import re
 
 import orjson
 import pytest
-from test_controller import WORKERS, rollouts
 
 from areal_aio import wire
 from areal_aio.control.controller import Orchestrator
@@ -27,6 +26,7 @@ from areal_aio.seeds import continuation_seed, sample_seed
 from areal_aio.settings import ProcessSettings, build_settings
 from areal_aio.tasks.sources import Task
 from areal_aio.tasks.steps import STEP_INSTRUCTION, parse, render
+from tests.conftest import WORKERS, rollouts
 
 # binary-exact weights, so rewards compare with ==
 EXACT = ProcessSettings(mode="mixed", continuations=4, max_scored_steps=6, tau=0.5, penalty=-0.5,
@@ -298,7 +298,9 @@ async def test_a_resumed_run_continues_the_continuation_counters_and_scores_alik
 
 @pytest.mark.slow
 async def test_process_mode_on_the_real_workers_scores_steps_and_counts_continuations(tmp_path):
-    from step_model import PROMPTS, REPLY, build_step_model
+    from tests.conftest import STEP_PROMPTS as PROMPTS
+    from tests.conftest import STEP_REPLY as REPLY
+    from tests.conftest import build_step_model
 
     model = build_step_model(tmp_path / "model")
     answers = ("4", "5")  # the model always answers 4: one task right, one wrong

@@ -6,13 +6,13 @@ import asyncio
 
 import orjson
 import pytest
-from test_controller import make_settings, orchestrator, rollouts
 
 from areal_aio import wire
 from areal_aio.fleet import placement
 from areal_aio.fleet.client import PipeWorker, WorkerFailed
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
 from areal_aio.fleet.rollout_pool import RolloutPool
+from tests.conftest import make_settings, orchestrator, rollouts
 
 SLOW = dict(tokens=1000, token_delay_s=0.01)
 """A request that is still running when the test looks."""

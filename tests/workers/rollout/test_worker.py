@@ -17,10 +17,11 @@ from areal_aio import wire
 from areal_aio.settings import build_settings
 from areal_aio.store.weights import WeightStore
 from areal_aio.workers.models import TINY, encode_prompt, load_model
+from tests.conftest import ROOT as REPO
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
+
 REPLY_TIMEOUT_S = 120.0
 """Generous: a cold worker imports torch and transformers on a busy 2-core machine."""
 LONG = 300

@@ -15,8 +15,8 @@ from areal_aio.app.preflight import PreflightError, check_devices, check_model
 from areal_aio.fleet.client import WorkerFailed
 from areal_aio.rewards.pool import RewardPoolBroken
 from areal_aio.settings import build_settings
+from tests.conftest import ROOT as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = str(ROOT / "settings.toml")
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from test_trainer import generate_samples, settings
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_aio import wire
@@ -11,6 +10,8 @@ from areal_aio.store.weights import WeightStore
 from areal_aio.workers.models import TINY, load_model
 from areal_aio.workers.trainer import checkpoint
 from areal_aio.workers.trainer.worker import Trainer
+from tests.conftest import generate_samples
+from tests.conftest import trainer_settings as settings
 
 
 def trainer(tmp_path, name: str) -> Trainer:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from test_controller import make_settings, tasks
-
 from areal_aio.control.evaluation import eval_rollout, greedy_completions
 from areal_aio.fleet.client import PipeWorker
 from areal_aio.fleet.fakes import FakeRollout, solving_policy
 from areal_aio.fleet.rollout_pool import RolloutPool
+from tests.conftest import make_settings, tasks
 
 
 def test_one_device_is_one_worker_and_several_are_a_pool_with_a_log_each(tmp_path):

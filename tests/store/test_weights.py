@@ -21,8 +21,7 @@ from areal_aio.store import weights as weight_store
 from areal_aio.store.safetensors_io import load_weights
 from areal_aio.store.weights import WeightStore, WeightStoreError, sweep_dead_runs
 from areal_aio.workers.models import TINY, load_model
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT as REPO
 
 
 @pytest.fixture(scope="module")

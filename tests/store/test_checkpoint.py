@@ -8,13 +8,13 @@ from pathlib import Path
 
 import orjson
 import pytest
-from test_controller import make_settings, tasks
 
 from areal_aio.app import cli
 from areal_aio.control.controller import Orchestrator
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
 from areal_aio.store import checkpoint
 from areal_aio.store.checkpoint import CheckpointError
+from tests.conftest import make_settings, tasks
 
 
 def orch(folder, settings, **kw):

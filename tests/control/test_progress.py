@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import io
 
-from test_controller import make_settings, orchestrator
-
 from areal_aio import wire
 from areal_aio.control.controller import Sample
 from areal_aio.control.progress import Progress, pick
 from areal_aio.rewards.scoring import Score
 from areal_aio.tasks.sources import Task
+from tests.conftest import make_settings, orchestrator
 
 
 def step_row(step: int, **kw) -> dict:
