@@ -145,7 +145,7 @@ def run_loop(coro: Coroutine[Any, Any, Any]) -> Any:
     """Run a coroutine as `python -m areal_aio run` does (uvloop; SIGTERM and Ctrl-C cancel it,
     so the run in progress stops its workers and removes its /dev/shm folder); a signal ends
     the process with 143 (SIGTERM) or 130 (Ctrl-C), and rerunning resumes the grid."""
-    from areal_aio.app.cli import run_owned
+    from areal_aio.app.runner import run_owned
 
     try:
         return run_owned(coro)

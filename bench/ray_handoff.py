@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args.versions = args.versions or (2 if args.quick else 5)
     args.passes = args.passes or (1 if args.quick else 2)
     args.sequences = args.sequences or (16 if args.quick else 32)
-    from areal_aio.app.cli import run_owned
+    from areal_aio.app.runner import run_owned
 
     result = run_owned(measure(args, spec))
     write_json(args.out / "results.json", result)

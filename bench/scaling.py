@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args.sequences = args.sequences or (16 if args.quick else 64)
     if args.sequences % GROUP:
         ap.error(f"--sequences must be a multiple of {GROUP}")
-    from areal_aio.app.cli import run_owned
+    from areal_aio.app.runner import run_owned
 
     result = run_owned(measure(args, spec))
     result.update(machine=args.machine, overrides=args.overrides)

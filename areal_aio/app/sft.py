@@ -337,7 +337,7 @@ def _tokenize_all(settings: Settings, plan: list[list[Pair]]) -> list[list[tuple
 
 def main(settings_path: str, overrides: list[str], out: str | None) -> int:
     """`python -m areal_aio sft`: exit 0 done, 1 failed (one line; error.log), 2 bad input, 130 / 143."""
-    from areal_aio.app.cli import exit_code, run_owned
+    from areal_aio.app.runner import exit_code, run_owned
 
     try:
         settings = load_settings(settings_path, overrides)

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from areal_aio.app import preflight
-from areal_aio.app.cli import main, one_line, write_error_log
+from areal_aio.app.cli import main
 from areal_aio.app.preflight import PreflightError, check_devices, check_model
+from areal_aio.app.runner import one_line, write_error_log
 from areal_aio.fleet.client import WorkerFailed
 from areal_aio.rewards.pool import RewardPoolBroken
 from areal_aio.settings import build_settings

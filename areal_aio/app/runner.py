@@ -1,0 +1,86 @@
+"""How a command that owns the process runs a job and ends: the loop it runs on (uvloop, its
+signals), and the exit code and the one line it prints when the job stops or fails. The CLI's
+`run` and `eval`, `sft`, and the bench scripts all end through here."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+from areal_aio.fleet.client import WorkerFailed
+
+ERROR_LOG = "error.log"
+
+
+def one_line(exc: BaseException) -> str:
+    """The cause of a failed run in one line: the first leaf of an exception group, its type
+    (unless it names its own cause, as 'trainer worker failed: ...' does) and first line."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return first if isinstance(exc, WorkerFailed) else f"{type(exc).__name__}: {first}".rstrip(": ")
+
+
+def write_error_log(exc: BaseException, folder: Path) -> str:
+    """The full traceback (and a worker's own, and its log tail) into <run>/error.log; returns
+    where to look, for the one line."""
+    text = "".join(traceback.format_exception(exc))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / ERROR_LOG).write_text(text)
+    except OSError as err:
+        return f"the traceback could not be written to {folder / ERROR_LOG} ({err.strerror or err})"
+    return f"see {folder / ERROR_LOG}"
+
+
+async def _owning_process(coro):
+    """The caller owns the process: SIGTERM cancels the run (Ctrl-C already does, via the runner)."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals
+        return await coro
+    try:
+        return await coro
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+def exit_code(exc: BaseException, folder: Path) -> int:
+    """How a command that ran workers for a run folder ends on `exc`: Ctrl-C 130, SIGTERM 143
+    (the workers were stopped either way), any other failure one line here and the traceback in
+    `folder`/error.log, 1. A BaseException that is none of these is raised again."""
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"\ninterrupted; workers stopped, partial results in {folder}", file=sys.stderr)
+        return 130
+    if isinstance(exc, asyncio.CancelledError):
+        print(f"\nterminated; workers stopped, partial results in {folder}", file=sys.stderr)
+        return 143
+    if not isinstance(exc, Exception):
+        raise exc
+    print(f"\nerror: {one_line(exc)}; {write_error_log(exc, folder)}", file=sys.stderr)
+    return 1
+
+
+def run_owned(coro):
+    """Run `coro` on a fresh uvloop loop as the process's main job: Ctrl-C raises
+    KeyboardInterrupt and SIGTERM raises CancelledError here, each after the coroutine's own
+    cleanup ran (for an Orchestrator: workers stopped, /dev/shm folder removed). Used by the
+    CLI and the bench scripts.
+
+    Everything alive before the run (imported modules, settings, tasks) is moved out of the
+    garbage collector's sight first (gc.freeze): the controller keeps tens of thousands of
+    samples alive, and each full collection would otherwise walk the whole heap again, one
+    event-loop stall at a time."""
+    gc.collect()
+    gc.freeze()
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
+        return asyncio.run(_owning_process(coro))
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(_owning_process(coro))
