@@ -12,7 +12,7 @@ from typing import Any
 __all__ = ["AnswerReward", "Orchestrator", "Reward", "Score", "Settings", "SettingsError", "Task", "load_settings"]
 _HOME = {"Orchestrator": "control.controller", "AnswerReward": "rewards.scoring", "Reward": "rewards.scoring",
          "Score": "rewards.scoring", "Settings": "settings", "SettingsError": "settings",
-         "load_settings": "settings", "Task": "tasks.sources"}
+         "load_settings": "settings", "Task": "tasks.task"}
 
 
 def __getattr__(name: str) -> Any:

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from areal_aio.app.trackers import report_to_error
-
 MODES = ("sync", "one_step", "areal")
 OBJECTIVES = ("pg", "ppo", "decoupled_ppo")
 ADVANTAGES = ("grpo", "drgrpo", "batch")
@@ -34,6 +32,9 @@ SFT = "sft"
 """The supervised objective: negative log-likelihood of the completion tokens. `python -m
 areal_aio sft` asks for it in each Train message; it is not a trainer.objective (RL runs)."""
 TASK_FILES = {"jsonl": None, "parquet": "pyarrow", "datasets": "datasets"}
+"""task.name -> the package its reader needs (None: the standard library)."""
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+"""run.report_to name -> the package it needs (each an optional extra of the same name)."""
 """Task sources read from task.path -> the package each needs beyond the core (the `data` extra)."""
 BUILTIN_REWARDS = ("answer",)
 """Rewards task.reward names without a module: `answer` is rewards.AnswerReward (task.format_bonus)."""
@@ -575,3 +576,15 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return repr(value)
+
+
+def report_to_error(names: list) -> str | None:
+    """Why `run.report_to` cannot be used (an unknown name, a package not installed), or None."""
+    for name in names:
+        if name not in TRACKERS:
+            close = difflib.get_close_matches(str(name), list(TRACKERS), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            return f"{name!r} not allowed; {hint}choose any of {', '.join(TRACKERS)}"
+        if importlib.util.find_spec(TRACKERS[name]) is None:
+            return f"{name!r} needs the {TRACKERS[name]} package: pip install 'areal_aio[{name}]'"
+    return None

@@ -42,7 +42,8 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from areal_aio.control.controller import Orchestrator  # noqa: E402
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer  # noqa: E402
 from areal_aio.settings import MODES, Settings, build_settings  # noqa: E402
-from areal_aio.tasks.sources import Task, arithmetic_prompt  # noqa: E402
+from areal_aio.tasks.arithmetic import arithmetic_prompt  # noqa: E402
+from areal_aio.tasks.task import Task  # noqa: E402
 from bench.common import print_table, pyplot, run_loop, save_figure, write_json  # noqa: E402
 
 TARGET = 50_000

@@ -18,8 +18,9 @@ from areal_aio.control.controller import Orchestrator
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
 from areal_aio.fleet.rollout_pool import RolloutPool
 from areal_aio.settings import build_settings
-from areal_aio.tasks.sources import Task, arithmetic_prompt
+from areal_aio.tasks.arithmetic import arithmetic_prompt
 from areal_aio.tasks.steps import render
+from areal_aio.tasks.task import Task
 from areal_aio.workers.models import TINY, encode_prompt
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,7 +20,7 @@ import pytest
 from areal_aio.control.controller import Orchestrator
 from areal_aio.fleet.client import KILL_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, WorkerFailed
 from areal_aio.settings import build_settings, load_settings
-from areal_aio.tasks.sources import Task
+from areal_aio.tasks.task import Task
 from tests.conftest import ROOT as ROOT
 
 pytestmark = pytest.mark.slow
@@ -280,7 +280,7 @@ RESUME_CHILD = """
 import asyncio, itertools, sys
 from areal_aio.control.controller import Orchestrator
 from areal_aio.settings import build_settings
-from areal_aio.tasks.sources import Task
+from areal_aio.tasks.task import Task
 
 def vowel_share(task, completion):
     letters = [c for c in completion.lower() if c.isalpha()]

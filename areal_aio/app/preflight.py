@@ -40,7 +40,7 @@ from areal_aio.settings import Settings, SettingsError
 R = TypeVar("R")
 
 if TYPE_CHECKING:
-    from areal_aio.tasks.sources import Task
+    from areal_aio.tasks.task import Task
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 """A Hugging Face hub id: name or org/name. Anything else is a local path."""
@@ -72,7 +72,7 @@ def preflight(settings: Settings, out: str | Path | None = None) -> list[Task] |
 
 def check_tasks(settings: Settings) -> list[Task] | None:
     """The rows of a task file (None for generated tasks); PreflightError naming a bad one."""
-    from areal_aio.tasks.sources import read_tasks
+    from areal_aio.tasks.files import read_tasks
 
     return read_checked("task.path", settings.task.path, lambda: read_tasks(settings.task),
                         f"a {settings.task.name} file")

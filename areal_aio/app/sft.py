@@ -47,8 +47,11 @@ from areal_aio.app.preflight import PreflightError, preflight, read_checked
 from areal_aio.control.evaluation import greedy_completions, rates, sample_rows, score
 from areal_aio.rewards.scoring import AnswerReward, Scorer
 from areal_aio.settings import SFT, Settings, SettingsError, load_settings
-from areal_aio.tasks.sources import ANSWER_INSTRUCTION, Task, eval_tasks, jsonl_rows, training_tasks
+from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION
+from areal_aio.tasks.files import jsonl_rows
+from areal_aio.tasks.sources import eval_tasks, training_tasks
 from areal_aio.tasks.steps import STEP_INSTRUCTION, parse
+from areal_aio.tasks.task import Task
 
 FOLDER_FILES = ("settings.toml", "sft.json", "steps.jsonl", "samples.jsonl", "model")
 """A folder holding any of these holds a run or a tuning: never written over."""

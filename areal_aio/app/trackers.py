@@ -18,8 +18,6 @@ TRL and prime-rl users read on their dashboards: `train/reward`,
 from __future__ import annotations
 
 import asyncio
-import difflib
-import importlib.util
 import os
 import sys
 from collections.abc import Iterable
@@ -29,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from areal_aio.control.controller import Orchestrator
 
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 """Tracker name in `run.report_to` -> the import name of the package it needs."""
 PROJECT = "areal_aio"
 """wandb / trackio project every run is logged under (the run's name is its folder's)."""
@@ -96,18 +93,6 @@ EVAL_METRICS = {
 }
 """Eval row field -> tracker name; an unlisted numeric field goes to `eval/<field>` (so
 `reward/<name>` -> `eval/reward/<name>`)."""
-
-
-def report_to_error(names: Iterable[str]) -> str | None:
-    """Why `run.report_to` cannot be used (an unknown name, a package not installed), or None."""
-    for name in names:
-        if name not in PACKAGES:
-            close = difflib.get_close_matches(str(name), list(PACKAGES), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            return f"{name!r} not allowed; {hint}choose any of {', '.join(PACKAGES)}"
-        if importlib.util.find_spec(PACKAGES[name]) is None:
-            return f"{name!r} needs the {PACKAGES[name]} package: pip install 'areal_aio[{name}]'"
-    return None
 
 
 def metrics(row: dict[str, Any]) -> dict[str, float]:

@@ -83,7 +83,9 @@ from areal_aio.seeds import sample_seed
 from areal_aio.settings import Settings
 from areal_aio.store import checkpoint
 from areal_aio.store.weights import WeightStore
-from areal_aio.tasks.sources import Task, eval_tasks, read_tasks, task_stream, training_tasks
+from areal_aio.tasks.files import read_tasks
+from areal_aio.tasks.sources import eval_tasks, training_tasks
+from areal_aio.tasks.task import Task, task_stream
 
 MONITOR_PERIOD_S = 0.05
 """Loop-lag probe period: a lag above this much is the loop being blocked."""

@@ -25,7 +25,8 @@ from areal_aio.fleet.client import PipeWorker, WorkerClient
 from areal_aio.fleet.rollout_pool import RolloutPool
 from areal_aio.rewards.scoring import AnswerReward, Score, Scorer, component_means, load_rewards
 from areal_aio.settings import Settings, load_settings, resolved_settings
-from areal_aio.tasks.sources import Task, eval_tasks
+from areal_aio.tasks.sources import eval_tasks
+from areal_aio.tasks.task import Task
 
 
 def requests(eval_set: list[Task], step: int, settings: Settings) -> list[wire.Generate]:

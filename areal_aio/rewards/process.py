@@ -41,8 +41,8 @@ from areal_aio import wire
 from areal_aio.rewards.scoring import Score
 from areal_aio.seeds import continuation_seed
 from areal_aio.settings import ProcessSettings, Settings
-from areal_aio.tasks.sources import Task
 from areal_aio.tasks.steps import StepReply, parse
+from areal_aio.tasks.task import Task
 
 ID_PREFIX = "p"
 """Continuation request ids start with this (training rollouts 'g', eval requests 'eval')."""

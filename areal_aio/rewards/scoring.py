@@ -45,7 +45,7 @@ from typing import Any
 
 from areal_aio.rewards.pool import RewardPool, RewardPoolBroken
 from areal_aio.settings import SettingsError, TaskSettings, reward_parts
-from areal_aio.tasks.sources import Task
+from areal_aio.tasks.task import Task
 
 KEY = "task.reward"
 P = inspect.Parameter

@@ -4,7 +4,8 @@
 pieces when publishing in another dtype); `load_weights` reads each tensor straight
 into its parameter's storage; CUDA models go through one page-locked staging buffer per
 direction. torch is imported inside the functions, so importing this module costs
-nothing (the controller imports the weight store, never this).
+nothing: the controller imports it through the weight store (for `WeightStoreError`) and
+never calls into torch.
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from areal_aio.store.weights import WeightStoreError
+
+class WeightStoreError(RuntimeError):
+    """/dev/shm missing, full, or a version that is not there (raised by the weight store and by
+    the reads and writes of its files)."""
+
 
 # ---- the safetensors format, written and read without intermediate copies -------------------
 #

@@ -24,14 +24,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from areal_aio.store.safetensors_io import WeightStoreError
+
 SHM_BASE = Path(os.environ.get("AREAL_AIO_SHM", "/dev/shm/areal_aio"))
 VERSION_FILE = re.compile(r"^v(\d+)\.safetensors$")
 OWNERLESS_GRACE_S = 60.0
 """A run folder without owner.pid is swept only once this old (it may be mid-`create`)."""
-
-
-class WeightStoreError(RuntimeError):
-    """/dev/shm missing, full, or a version that is not there."""
 
 
 def _pid_alive(pid: int) -> bool:

@@ -29,8 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from areal_aio.settings import TaskSettings
-from areal_aio.tasks.sources import Task
 from areal_aio.tasks.steps import STEP_INSTRUCTION, render
+from areal_aio.tasks.task import Task
 
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
 FIRST = ("*", "/")

@@ -25,8 +25,10 @@ from areal_aio.app.sft import (
 )
 from areal_aio.rewards.scoring import Score
 from areal_aio.settings import build_settings
-from areal_aio.tasks.sources import ANSWER_INSTRUCTION, Task, eval_tasks
+from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION
+from areal_aio.tasks.sources import eval_tasks
 from areal_aio.tasks.steps import STEP_INSTRUCTION, parse
+from areal_aio.tasks.task import Task
 from tests.conftest import ROOT as ROOT
 
 CHAIN = {"task": {"name": "chain", "terms": 3, "eval_size": 8}, "sft": {"steps": 5, "batch_size": 4, "eval_size": 8}}

@@ -7,8 +7,9 @@ import struct
 import orjson
 import pytest
 
+from areal_aio import settings as settings_module
 from areal_aio.app import trackers
-from areal_aio.app.trackers import EVAL_METRICS, STEP_METRICS, metrics, report_to_error, run_tracked
+from areal_aio.app.trackers import EVAL_METRICS, STEP_METRICS, metrics, run_tracked
 from areal_aio.settings import SettingsError
 from tests.conftest import make_settings, orchestrator
 
@@ -53,9 +54,10 @@ async def test_every_field_of_a_real_step_row_has_a_listed_name(tmp_path):
 
 
 def test_report_to_is_checked_with_the_settings(monkeypatch):
+    report_to_error = settings_module.report_to_error
     assert report_to_error([]) is None
     assert "did you mean 'wandb'" in report_to_error(["wandbb"])
-    monkeypatch.setitem(trackers.PACKAGES, "wandb", "no_such_package_areal_aio")
+    monkeypatch.setitem(settings_module.TRACKERS, "wandb", "no_such_package_areal_aio")
     assert report_to_error(["wandb"]) == ("'wandb' needs the no_such_package_areal_aio package: "
                                           "pip install 'areal_aio[wandb]'")
     with pytest.raises(SettingsError, match=r"run.report_to: 'wandb' needs .* pip install"):

@@ -17,7 +17,8 @@ import pytest
 from areal_aio.control.controller import Orchestrator
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
 from areal_aio.settings import load_settings
-from areal_aio.tasks.sources import Task, arithmetic_prompt
+from areal_aio.tasks.arithmetic import arithmetic_prompt
+from areal_aio.tasks.task import Task
 from bench import controller_overhead, staleness_ablation, time_to_threshold
 from bench.common import Cell, finished_summary, run_grid, stats
 from tests.conftest import ROOT as REPO

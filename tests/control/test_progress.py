@@ -8,7 +8,7 @@ from areal_aio import wire
 from areal_aio.control.controller import Sample
 from areal_aio.control.progress import Progress, pick
 from areal_aio.rewards.scoring import Score
-from areal_aio.tasks.sources import Task
+from areal_aio.tasks.task import Task
 from tests.conftest import make_settings, orchestrator
 
 

@@ -13,7 +13,7 @@ from areal_aio.control.stats import (
 )
 from areal_aio.rewards.scoring import Score
 from areal_aio.settings import Settings
-from areal_aio.tasks.sources import Task
+from areal_aio.tasks.task import Task
 
 
 class _Sample:

@@ -17,7 +17,7 @@ from areal_aio.control.controller import Orchestrator  # noqa: E402
 from areal_aio.fleet.client import WorkerFailed  # noqa: E402
 from areal_aio.settings import build_settings  # noqa: E402
 from areal_aio.store.weights import SHM_BASE  # noqa: E402
-from areal_aio.tasks.sources import Task  # noqa: E402
+from areal_aio.tasks.task import Task  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TASKS = [Task(f"t{i}", f"Write something about topic number {i}.", "") for i in range(100)]

@@ -15,7 +15,7 @@ import pytest
 
 from areal_aio.rewards.pool import MAX_BREAKS, RewardCallFailed, RewardPool, RewardPoolBroken
 from areal_aio.rewards.scoring import Scorer
-from areal_aio.tasks.sources import Task
+from areal_aio.tasks.task import Task
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # real pool processes, a second or two each
@@ -141,7 +141,7 @@ OWNER = textwrap.dedent("""
     import asyncio, os, sys, time
     sys.path.insert(0, {tests!r})  # the repository: tests.conftest
     from areal_aio.rewards.pool import RewardPool
-    from areal_aio.tasks.sources import Task
+    from areal_aio.tasks.task import Task
     from tests.conftest import pid_of_worker
 
     async def main():

@@ -24,8 +24,8 @@ from areal_aio.rewards.process import (
 )
 from areal_aio.seeds import continuation_seed, sample_seed
 from areal_aio.settings import ProcessSettings, build_settings
-from areal_aio.tasks.sources import Task
 from areal_aio.tasks.steps import STEP_INSTRUCTION, parse, render
+from areal_aio.tasks.task import Task
 from tests.conftest import WORKERS, rollouts
 
 # binary-exact weights, so rewards compare with ==

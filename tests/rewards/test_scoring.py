@@ -19,7 +19,7 @@ from areal_aio.rewards.scoring import (
     same_answer,
 )
 from areal_aio.settings import SettingsError, build_settings
-from areal_aio.tasks.sources import Task
+from areal_aio.tasks.task import Task
 from tests.conftest import ROOT
 
 T = Task("t", "Calculate 3 + 4.", "7")
@@ -149,7 +149,7 @@ HUNG = """
 import asyncio, sys, time
 sys.path.insert(0, {tests!r})  # the repository: tests.conftest
 from areal_aio.rewards.scoring import Scorer
-from areal_aio.tasks.sources import Task
+from areal_aio.tasks.task import Task
 from tests.conftest import hangs
 
 async def main():

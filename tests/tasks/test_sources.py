@@ -4,15 +4,9 @@ import orjson
 import pytest
 
 from areal_aio.settings import build_settings
-from areal_aio.tasks.sources import (
-    ANSWER_INSTRUCTION,
-    eval_tasks,
-    read_dataset,
-    read_jsonl,
-    read_parquet,
-    read_tasks,
-    training_tasks,
-)
+from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION
+from areal_aio.tasks.files import read_dataset, read_jsonl, read_parquet, read_tasks
+from areal_aio.tasks.sources import eval_tasks, training_tasks
 
 
 def test_arithmetic_stream_is_two_term_single_digit_and_seeded():
@@ -71,7 +65,8 @@ def test_jsonl_bad_rows_name_the_line(tmp_path):
 
 def test_streams_resume_at_any_position(tmp_path):
     """A resumed run continues its task stream where it stopped: start=n is the stream minus n."""
-    from areal_aio.tasks.sources import EPOCH, arithmetic_stream, training_tasks
+    from areal_aio.tasks.arithmetic import EPOCH, arithmetic_stream
+    from areal_aio.tasks.sources import training_tasks
 
     settings = build_settings({}, ["run.seed=3"])
     whole = list(itertools.islice(training_tasks(settings), 40))
