@@ -88,7 +88,7 @@ def opt(default: Any, doc: str, *, choices: tuple | None = None, ge: float | Non
 class RunSettings:
     mode: str = opt("areal", "sync (eta 0, no interrupts; a worker on the CPU gets every core: they take turns) | one_step (eta 1) | areal (eta = controller.max_staleness, interrupts, decoupled PPO)", choices=MODES)
     seed: int = opt(0, "Seed for task order, sampling and model init.", ge=0)
-    max_steps: int = opt(100, "Stop after this many trainer updates.", ge=1)
+    max_steps: int = opt(200, "Stop after this many trainer updates.", ge=1)
     max_wall_s: float = opt(3600.0, "Stop after this many seconds of wall time (counted after both workers are ready).", gt=0)
     threshold: float = opt(0.0, "Stop at the first eval whose pass rate is >= this; 0 disables (time_to_threshold_s is still recorded when reached).", ge=0, le=1)
     out_dir: str = opt("runs", "Parent folder of run folders (one folder per run).")
@@ -96,7 +96,7 @@ class RunSettings:
     progress: bool = opt(True, "Print a live progress line to stderr (one plain line per step when stderr is not a terminal).")
     report_to: list = opt([], "Also send step and eval metrics to any of tensorboard, wandb, trackio (each an optional extra: pip install 'areal_aio[tensorboard]'); the JSONL rows stay the record.")
     log_completions_every: int = opt(10, "Every this many steps, show a few prompts with their replies, rewards and versions (console and completions.md in the run folder); 0 = off.", ge=0)
-    checkpoint_every: int = opt(50, "Write a checkpoint (policy, optimizer, controller state) every this many steps, and at every stop; 0 = no checkpoints. 50: in a side-by-side pair of default runs one SmolLM2-135M checkpoint (1.6 GB) cost 13.8 s of run time, 1.8% of 50 steps of ~15 s on a 2-core CPU.", ge=0)
+    checkpoint_every: int = opt(50, "Write a checkpoint (policy, optimizer, controller state) every this many steps, and at every stop; 0 = no checkpoints. What one costs a run: README, What a run keeps.", ge=0)
     keep_checkpoints: int = opt(1, "Checkpoints kept in <run>/checkpoints (the newest); each holds about 3x the fp32 model (weights and AdamW moments).", ge=1)
     keep_best: bool = opt(False, "Also keep <run>/best/: the trained version with the highest held-out pass rate, as an HF folder.")
 
@@ -213,7 +213,7 @@ class TrainerSettings:
     micro_tokens: int = opt(4096, "Token cap of one micro-batch (dynamic batching): the positions the model computes, padding included; gradients accumulate across them.", ge=16)
     share_prompts: str = opt("auto", "Pack each group into one row, its prompt once and then its completions, each seeing the prompt and its own past (exact; computes the real tokens, no padding to the longest reply; needs sdpa or eager attention): on | off | auto (on for CPU; off for CUDA, where a small model is kernel-launch-bound and the layout is not measured yet).", choices=("auto", "on", "off"))
     grad_clip: float = opt(1.0, "Clip the gradient norm to this; 0 disables.", ge=0)
-    bf16: str = opt("auto", "bf16 autocast for forward/backward (fp32 master weights): on | off | auto (on where the hardware multiplies bf16 natively: a CUDA device that supports it, a CPU with AVX512-BF16 or AMX; off elsewhere, since an AVX2 CPU emulates bf16 and a matmul ran ~30x slower than fp32). true / false mean on / off.", choices=("auto", "on", "off"))
+    bf16: str = opt("auto", "bf16 autocast for forward/backward (fp32 master weights): on | off | auto (on where the hardware multiplies bf16 natively: a CUDA device that supports it, a CPU with AVX512-BF16 or AMX; off elsewhere, since an AVX2 CPU emulates bf16 and runs it far slower than fp32). true / false mean on / off.", choices=("auto", "on", "off"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +229,7 @@ class ControllerSettings:
 @dataclass(frozen=True, slots=True)
 class SftSettings:
     data: str = opt("generated", "What `python -m areal_aio sft` trains on: generated (the task's reference replies: the worked step-tagged solutions of task.name = chain, the tagged answer of arithmetic) or a JSONL file of {\"prompt\", \"completion\"} rows or chat rows {\"messages\": [system (optional), user, assistant]}. Pairs whose prompt is a held-out prompt are left out.")
-    steps: int = opt(40, "Optimizer steps, one per batch of pairs. 40 x 8 pairs at lr 1e-4 taught SmolLM2-135M-Instruct the step format of three-term chain sums (100% valid greedy replies on 64 held-out prompts; loss below 0.1 from step 10) in 592 s of a busy 2-core CPU.", ge=1)
+    steps: int = opt(40, "Optimizer steps, one per batch of pairs. What the default teaches SmolLM2-135M-Instruct, and in how long: README, Cold start.", ge=1)
     batch_size: int = opt(8, "Prompt/completion pairs per step.", ge=1)
     lr: float = opt(1e-4, "AdamW learning rate, constant (trainer.weight_decay, grad_clip, micro_tokens, bf16, device and threads apply as in a run).", gt=0)
     eval_size: int = opt(64, "Held-out prompts (the first of the task's held-out set) answered greedily before and after tuning, scored for valid step-tagged replies and passes; 0 = no eval.", ge=0)
@@ -355,10 +355,6 @@ class Settings:
     def trainer_devices(self) -> list[str]:
         """One entry per trainer rank: trainer.devices, or [trainer.device]."""
         return list(self.trainer.devices) or [self.trainer.device]
-
-    @property
-    def prompts_per_step(self) -> int:
-        return self.trainer.batch_size // self.rollout.group_size
 
     @classmethod
     def from_dict(cls, data: dict[str, dict[str, Any]]) -> Settings:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import typing
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO
 
 import orjson
 
@@ -200,12 +201,11 @@ class Error:
 Message = (Init | Ready | Generate | Abort | UpdateWeights | WeightsLoaded | Completion
            | Train | Trained | Save | Saved | Shutdown | Error)
 """The closed set of frames; TrainSample travels only inside Train."""
-TYPES: dict[str, type] = {cls.__name__: cls for cls in (
-    Init, Ready, Generate, Abort, UpdateWeights, WeightsLoaded, Completion, Train, Trained,
-    Save, Saved, Shutdown, Error)}
+TYPES: dict[str, type] = {cls.__name__: cls for cls in typing.get_args(Message)}
+"""Frame `type` -> its class: decoding knows exactly the union's members."""
 
 
-def encode(msg: Any) -> bytes:
+def encode(msg: Message) -> bytes:
     """A message as one frame (header + body)."""
     name = type(msg).__name__
     if name not in TYPES:
@@ -217,7 +217,7 @@ def encode(msg: Any) -> bytes:
     return HEADER.pack(len(data)) + data
 
 
-def decode(data: bytes) -> Any:
+def decode(data: bytes) -> Message:
     """A frame body back into its message."""
     try:
         body = orjson.loads(data)
@@ -236,13 +236,13 @@ def _length(header: bytes) -> int:
     return n
 
 
-def write_message(stream: IO[bytes], msg: Any) -> None:
+def write_message(stream: IO[bytes], msg: Message) -> None:
     """Blocking write of one message (worker side)."""
     stream.write(encode(msg))
     stream.flush()
 
 
-def read_message(stream: IO[bytes]) -> Any | None:
+def read_message(stream: IO[bytes]) -> Message | None:
     """Blocking read of one message; None at a clean end of stream (worker side)."""
     header = _read_exactly(stream, HEADER.size)
     if header is None:
@@ -266,7 +266,7 @@ def _read_exactly(stream: IO[bytes], n: int) -> bytes | None:
     return b"".join(chunks)
 
 
-async def read_message_async(reader: asyncio.StreamReader) -> Any | None:
+async def read_message_async(reader: asyncio.StreamReader) -> Message | None:
     """Read one message from an asyncio stream; None at a clean end of stream."""
     try:
         header = await reader.readexactly(HEADER.size)

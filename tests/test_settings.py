@@ -22,8 +22,12 @@ def test_default_file_loads_and_matches_dataclass_defaults():
     assert s.model.path == "embedded:smollm2-135m-instruct"
     # every key of the dataclasses is in the default file (and documented there)
     raw = tomllib.loads((ROOT / "settings.toml").read_text())
+    defaults = build_settings({}, []).to_dict()
     for section, values in Settings().to_dict().items():
         assert set(raw[section]) == set(values), section
+        # and gives each its default: `keys` and the file say the same
+        differ = {k: (v, defaults[section][k]) for k, v in raw[section].items() if v != defaults[section][k]}
+        assert not differ, f"[{section}] file value, default: {differ}"
 
 
 def test_every_key_of_the_file_has_a_comment():

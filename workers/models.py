@@ -113,7 +113,7 @@ def _convert_smollm2(root: Path) -> Path:
 
     out = root / "smollm2-135m-instruct"
     gguf = _fetch_gguf(root)
-    say(f"dequantizing {gguf.name} into a plain HF folder {out} (once; ~25 s) ...")
+    say(f"dequantizing {gguf.name} into a plain HF folder {out} (once) ...")
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,

@@ -301,15 +301,6 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
 
-    def run_chunk(self, steps: int) -> list[Completion]:
-        """Up to `steps` steps (fewer when nothing is left to do); the finished sequences."""
-        done: list[Completion] = []
-        while steps > 0 and self.busy:
-            taken, finished = self.advance(steps)
-            steps -= taken
-            done.extend(finished)
-        return done
-
     def step(self) -> list[Completion]:
         """Admit into free slots, then one decode step for every running row."""
         return self.advance(1)[1]

@@ -30,11 +30,9 @@ longest group of the micro-batch; a pad position sees itself (a query that sees
 nothing would make the softmax NaN, and NaN times a zero gradient is still NaN).
 
 Why one group per row: the mask is dense, and on CPU attention with a mask pays
-for every query-key pair of a row, quadratic in its length. Measured (roughly, on
-a busy 2-core machine, one thread, fp32 SmolLM2-135M, forward + backward of 4
-groups of 8 with a run's reply lengths): one group per row 17.4 s, two 17.1 s, all
-four in one row 20.0 s, the shared-KV padded layout this replaced 29.0 s. Two per
-row saves the padding between groups and pays it back in attention; one is simpler.
+for every query-key pair of a row, quadratic in its length. Two groups per row
+save the padding between groups and pay it back in attention (README, Components,
+gives the measurement); one is simpler.
 
 Both layouts carry `gather` [T]: for each completion token, the flat position in
 [n x L] whose hidden state predicts it, so the LM head runs on those T positions only.

@@ -37,8 +37,8 @@ each seeing only the prompt and its own past (a 4D mask, position ids restarting
 after the prompt; workers/trainer/microbatch.py). The result equals the per-sequence
 forward (a test checks log-probs and gradients), and the work is the real tokens,
 P + sum(C_i - 1) per group, where rows padded to the longest reply cost
-G * (P + C_max) unshared and P + G * (C_max - 1) with the prompt's KV shared:
-3.6x and 2.2x the packed positions for three groups of a default run. It needs an
+G * (P + C_max) unshared and P + G * (C_max - 1) with the prompt's KV shared
+(README, Components, has both measured on a run's replies). It needs an
 attention that takes a custom mask (sdpa or eager). auto leaves it off on CUDA,
 where a 135M model is kernel-launch-bound and this layout is not measured yet.
 
@@ -120,8 +120,8 @@ class _Stats:
 
 def bf16_autocast(setting: str, device: str) -> bool:
     """Whether `trainer.bf16` (on | off | auto) runs bf16 autocast on `device`. auto: only where
-    bf16 matmuls are native. On an AVX2-only CPU oneDNN emulates them: one [512, 576] x
-    [576, 1536] forward+backward took 0.83 s in bf16 against 0.028 s in fp32 (one thread)."""
+    bf16 matmuls are native: on an AVX2-only CPU oneDNN emulates them, many times slower
+    than fp32."""
     if setting != "auto":
         return setting == "on"
     dev = torch.device(device)
@@ -277,54 +277,110 @@ class Trainer:
                                   device=self.device, part=self.ranks.rank, parts=self.ranks.world)
 
     def train(self, msg: wire.Train) -> wire.Trained:
-        """One PPO-family update on msg.samples, then publish v<version+1> and return Trained.
-
-        msg.objective "sft" is supervised: the loss is the completions' token-mean negative
-        log-likelihood under the model itself (temperature 1; behaviour log-probs, rewards
-        and the proximal pass play no part), the step as in RL (clip, AdamW)."""
+        """One update on msg.samples (the RL update, or the supervised step when msg.objective
+        is "sft"), then publish v<version+1> and return Trained."""
         t0 = time.perf_counter()
         if msg.version != self.version:
             raise ValueError(f"Train step {msg.step}: controller says version {msg.version}, "
                              f"the trainer holds version {self.version}")
-        samples = msg.samples
-        check_samples(samples)
+        check_samples(msg.samples)
+        objective = msg.objective or self.cfg.objective
+        if objective == SFT:
+            out = self._supervised_step(msg.samples)
+        else:
+            out = self._rl_update(msg.samples, objective)
+
+        t_pub = time.perf_counter()
+        publish = msg.publish and self.ranks.rank == 0
+        path = self.store.publish(self.model, self.version + 1, dtype=self.publish_dtype) if publish else ""
+        self.version += 1
+        out.update(seconds=time.perf_counter() - t0, publish_s=time.perf_counter() - t_pub)
+        if objective == SFT:  # ratios, weights and rewards mean nothing here
+            out = {key: out[key] for key in SFT_STATS}
+        return wire.Trained(step=msg.step, version=self.version, path=str(path), stats=out)
+
+    def _rl_update(self, samples: list[wire.TrainSample], objective: str) -> dict[str, Any]:
+        """A PPO-family update: group advantages, pi_prox, one optimizer step per mini-batch;
+        its stats (without the timings of publishing)."""
         cfg = self.cfg
-        objective = msg.objective or cfg.objective
-        sft = objective == SFT
-        temperature = 1.0 if sft else self.temperature
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
         adv = losses.advantages(rewards, groups, cfg.advantage)  # [B]
-
-        # Mini-batches are consecutive slices (groups stay together when B divides evenly);
-        # prox uses the very micro-batches the update uses, so at equal weights the
-        # decoupled ratio is exactly 1, even under bf16.
-        n_mini = min(cfg.minibatches, len(samples))
-        bounds = [round(k * len(samples) / n_mini) for k in range(n_mini + 1)]
-        # per mini-batch: this rank's micro-batches, and the completion tokens of all ranks
-        mine: list[list[MicroBatch]] = []
-        totals: list[int] = []
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            mine.append(self._micro_batches(samples, lo, hi, adv))
-            totals.append(sum(len(samples[i].completion_ids) for i in range(lo, hi)))
+        mine, totals = self._mini_batches(samples, adv)
 
         # pi_prox is this version's policy. The first mini-batch trains on exactly these
-        # weights, so its own forward is pi_prox (detached: ratio 1; skipping the second
-        # pass made a one-core update 1.22x faster); later mini-batches need theirs before
-        # any step.
+        # weights, so its own forward is pi_prox (detached: ratio 1, and no second pass);
+        # later mini-batches need theirs before any step.
         t_prox = time.perf_counter()
         prox: dict[int, torch.Tensor] = {}  # id(micro-batch) -> [T]
         ref: dict[int, torch.Tensor] = {}
         for k, mini in enumerate(mine):
             for mb in mini:
-                if sft:
-                    continue  # no ratio, no KL
                 if k > 0:
                     prox[id(mb)] = self.logprobs(mb)
                 if self.ref is not None:
                     ref[id(mb)] = self.logprobs(mb, self.ref)
         prox_s = time.perf_counter() - t_prox
 
+        def token_loss(k: int, mb: MicroBatch, logp: torch.Tensor) -> tuple:
+            if k == 0:  # no step taken yet: this forward is pi_prox
+                prox[id(mb)] = logp.detach().float()
+            tok_loss, st = losses.token_loss(
+                logp, mb.behav, prox[id(mb)], mb.adv, objective=objective,
+                clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
+                behav_cap=cfg.behav_cap, cap_mode=cfg.cap_mode)
+            kl = None
+            if cfg.kl_coef > 0:
+                kl = losses.k3_kl(logp, ref[id(mb)] if self.ref is not None else mb.behav)
+                tok_loss = tok_loss + cfg.kl_coef * kl
+            return tok_loss, st, kl
+
+        stats, reduce_s = self._descend(mine, totals, self.temperature, token_loss)
+        out = self._summary(samples, mine, prox, stats, adv, rewards, objective)
+        out.update(prox_s=prox_s, reduce_s=reduce_s)
+        if cfg.kl_coef <= 0:
+            out.pop("kl")
+        return out
+
+    def _supervised_step(self, samples: list[wire.TrainSample]) -> dict[str, Any]:
+        """The completions' token-mean negative log-likelihood under the model itself
+        (temperature 1; behaviour log-probs, rewards and the proximal pass play no part), the
+        step as in RL (mini-batches, clip, AdamW)."""
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        adv = torch.zeros(len(samples), dtype=torch.float64)
+        mine, totals = self._mini_batches(samples, adv)
+        prox: dict[int, torch.Tensor] = {}  # only for _summary's shapes: no ratio here
+
+        def token_loss(k: int, mb: MicroBatch, logp: torch.Tensor) -> tuple:
+            prox[id(mb)] = logp.detach().float()
+            tok_loss, st = losses.token_loss(logp, mb.behav, prox[id(mb)], mb.adv, objective=SFT)
+            return tok_loss, st, None
+
+        stats, reduce_s = self._descend(mine, totals, 1.0, token_loss)
+        out = self._summary(samples, mine, prox, stats, adv, rewards, SFT)
+        out.update(reduce_s=reduce_s)
+        return out
+
+    def _mini_batches(self, samples: list[wire.TrainSample],
+                      adv: torch.Tensor) -> tuple[list[list[MicroBatch]], list[int]]:
+        """Per mini-batch: this rank's micro-batches, and the completion tokens of all ranks.
+
+        Mini-batches are consecutive slices (groups stay together when B divides evenly); pi_prox
+        uses the very micro-batches the update uses, so at equal weights the decoupled ratio is
+        exactly 1, even under bf16."""
+        n_mini = min(self.cfg.minibatches, len(samples))
+        bounds = [round(k * len(samples) / n_mini) for k in range(n_mini + 1)]
+        mine = [self._micro_batches(samples, lo, hi, adv) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        totals = [sum(len(samples[i].completion_ids) for i in range(lo, hi))
+                  for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        return mine, totals
+
+    def _descend(self, mine: list[list[MicroBatch]], totals: list[int], temperature: float,
+                 token_loss: Any) -> tuple[_Stats, float]:
+        """One optimizer step per mini-batch: forward each of this rank's micro-batches at
+        `temperature`, `token_loss(k, mb, logp) -> (loss [T], TokenStats, kl [T] | None)`,
+        backward, the ranks' all-reduce, clip, AdamW. Returns the stats and the all-reduce time."""
+        cfg = self.cfg
         stats = _Stats(self.device)
         reduce_s = 0.0
         for k, (own, total) in enumerate(zip(mine, totals, strict=True)):
@@ -338,17 +394,7 @@ class Trainer:
                     continue
                 with self._autocast():
                     logp, entropy = self._forward(self.model, mb, temperature=temperature)  # [T], [T]
-                if k == 0 or sft:  # no step taken yet: this forward is pi_prox (sft: unused)
-                    prox[id(mb)] = logp.detach().float()
-                tok_loss, st = losses.token_loss(
-                    logp, mb.behav, prox[id(mb)], mb.adv, objective=objective,
-                    clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
-                    behav_cap=cfg.behav_cap, cap_mode=cfg.cap_mode)
-                kl = None
-                if cfg.kl_coef > 0 and not sft:
-                    anchor = ref[id(mb)] if self.ref is not None else mb.behav
-                    kl = losses.k3_kl(logp, anchor)
-                    tok_loss = tok_loss + cfg.kl_coef * kl
+                tok_loss, st, kl = token_loss(k, mb, logp)
                 loss = tok_loss.sum() / total  # token-level aggregation over the mini-batch
                 loss.backward()
                 loss_sum = loss_sum + loss.detach().double()
@@ -363,20 +409,7 @@ class Trainer:
             stats.loss.append(loss_sum)
             stats.grad_norm.append(norm.detach().double())
         self.opt.zero_grad(set_to_none=True)
-
-        t_pub = time.perf_counter()
-        publish = msg.publish and self.ranks.rank == 0
-        path = self.store.publish(self.model, self.version + 1, dtype=self.publish_dtype) if publish else ""
-        publish_s = time.perf_counter() - t_pub
-        self.version += 1
-
-        out = self._summary(samples, mine, prox, stats, adv, rewards, objective)
-        out.update(seconds=time.perf_counter() - t0, prox_s=prox_s, publish_s=publish_s, reduce_s=reduce_s)
-        if cfg.kl_coef <= 0 or sft:
-            out.pop("kl")
-        if sft:  # ratios, weights and rewards mean nothing here
-            out = {key: out[key] for key in SFT_STATS}
-        return wire.Trained(step=msg.step, version=self.version, path=str(path), stats=out)
+        return stats, reduce_s
 
     def _summary(self, samples: list[wire.TrainSample], mine: list[list[MicroBatch]],
                  prox: dict[int, torch.Tensor], stats: _Stats, adv: torch.Tensor,
@@ -391,9 +424,10 @@ class Trainer:
             prox_all = torch.cat([prox[id(mb)] for mb in mbs]).double()
         else:
             behav = prox_all = zero.new_zeros(0)
-        # tokens sampled by the weights prox was computed with, in the order of behav / prox
+        # tokens sampled by the weights prox was computed with (this version, not yet
+        # advanced), in the order of behav / prox
         versions = [v for mb in mbs for i in mb.index for v in samples[i].versions]
-        own = [k for k, v in enumerate(versions) if v == self.version - 1]
+        own = [k for k, v in enumerate(versions) if v == self.version]
         w = torch.exp(prox_all - behav)
         capped = (w > cfg.behav_cap) if objective == "decoupled_ppo" else torch.zeros_like(w, dtype=torch.bool)
         r = (prox_all - behav).index_select(0, torch.tensor(own, dtype=torch.long, device=behav.device))

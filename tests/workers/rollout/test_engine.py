@@ -28,6 +28,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def run_steps(engine: Engine, steps: int) -> list:
+    """Up to `steps` decode steps (fewer when nothing is left to do); the finished sequences."""
+    done = []
+    while steps > 0 and engine.busy:
+        taken, finished = engine.advance(steps)
+        steps -= taken
+        done.extend(finished)
+    return done
+
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return load_model(TINY, seed=0)
@@ -207,7 +218,7 @@ def test_abort_queued_and_running(tiny):
     engine = Engine(model, tok, max_batch=2, seed=5)
     for i in range(4):
         engine.add(Request(f"r{i}", encode_prompt(tok, PROMPTS[i]), 20, 1.0))
-    engine.run_chunk(3)
+    run_steps(engine, 3)
     running = engine.abort("r1")
     queued = engine.abort("r3")
     assert engine.abort("nope") is None
@@ -245,7 +256,7 @@ def test_weight_update_mid_generation_rebuilds_and_versions_tokens(tiny, tmp_pat
     lengths = [3, 16, 16, 16, 16, 16]
     for i, prompt in enumerate(PROMPTS + PROMPTS[:2]):
         engine.add(Request(f"r{i}", encode_prompt(tok, prompt), lengths[i], 0.8, 0.95))
-    early = {c.request_id: c for c in engine.run_chunk(5)}
+    early = {c.request_id: c for c in run_steps(engine, 5)}
     assert set(early) == {"r0"}
     tails = sorted(len(s.completion) for s in engine.batch.seqs)
     assert tails[0] < tails[-1]
@@ -283,7 +294,7 @@ def test_a_prefill_whose_rows_all_finish_at_once_leaves_the_batch_intact(tiny, t
     engine = Engine(model, tok, max_batch=4, seed=2)
     engine.add(Request("long", encode_prompt(tok, PROMPTS[0]), 12, 0.8, 1.0))
     engine.add(Request("short", encode_prompt(tok, PROMPTS[1]), 4, 0.8, 1.0))
-    out = {c.request_id: c for c in engine.run_chunk(1)}  # 2 tokens each
+    out = {c.request_id: c for c in run_steps(engine, 1)}  # 2 tokens each
     assert not out and len(engine.batch) == 2
     engine.add(Request("one", encode_prompt(tok, PROMPTS[2]), 1, 0.8, 1.0))  # done at admission
     out.update((c.request_id, c) for c in engine.step())
@@ -314,8 +325,8 @@ def test_a_decode_step_reads_nothing_on_the_host(tiny):
     engine._decode = watched
     look = engine._look
     engine._look = lambda b: looks.append(len(b.drawn)) or look(b)
-    out = {c.request_id: c for c in engine.run_chunk(6)}
-    out.update((c.request_id, c) for c in engine.run_chunk(100))
+    out = {c.request_id: c for c in run_steps(engine, 6)}
+    out.update((c.request_id, c) for c in run_steps(engine, 100))
     assert len(out) == 4 and not engine.busy
     assert seen == []
     # tokens read per look: the first ones after admission, then a stretch of steps up to the
@@ -348,7 +359,7 @@ def test_looking_once_per_chunk_gives_the_sequences_of_a_look_every_step(tiny, c
                 for req in reqs[5:]:
                     engine.add(req)
                 reqs = reqs[:5]
-            out.update((c.request_id, c) for c in engine.run_chunk(chunk))
+            out.update((c.request_id, c) for c in run_steps(engine, chunk))
         runs.append((out, looks))
     (every, every_looks), (chunked, chunked_looks) = runs
     assert {steps for steps, _ in every_looks} == {1}
