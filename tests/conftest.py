@@ -203,3 +203,18 @@ def _build_step_model(folder: Path, steps: int, lr: float) -> Path:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+def need(package: str) -> Any:
+    """`package`, imported; a test without it skips here but fails under CI (CI=true), where the
+    dev extra installs every optional package a test needs."""
+    import importlib
+
+    import pytest
+
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail(f"{package} is not installed: pip install -e '.[dev]' installs it", pytrace=False)
+        pytest.skip(f"{package} is not installed")

@@ -11,7 +11,7 @@ from areal_aio import settings as settings_module
 from areal_aio.app import trackers
 from areal_aio.app.trackers import EVAL_METRICS, STEP_METRICS, metrics, run_tracked
 from areal_aio.settings import SettingsError
-from tests.conftest import make_settings, orchestrator
+from tests.conftest import make_settings, need, orchestrator
 
 WANDB_BLOCK = 32 * 1024
 
@@ -65,7 +65,7 @@ def test_report_to_is_checked_with_the_settings(monkeypatch):
 
 
 async def test_tensorboard_gets_every_step_and_eval(tmp_path):
-    pytest.importorskip("tensorboard")
+    need("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     settings = make_settings("areal", **{"run.max_steps": 4, "run.report_to": ["tensorboard"]})
@@ -113,7 +113,7 @@ def wandb_history(path) -> list[dict]:
 
 @pytest.mark.slow
 async def test_wandb_offline_writes_inside_the_run_folder(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    need("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)  # offline is the default here
     monkeypatch.setenv("WANDB_SILENT", "true")
     settings = make_settings("areal", **{"run.max_steps": 3, "run.report_to": ["wandb"]})
@@ -130,7 +130,7 @@ async def test_wandb_offline_writes_inside_the_run_folder(tmp_path, monkeypatch)
 @pytest.mark.slow
 async def test_trackio_logs_every_step(tmp_path, monkeypatch):
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # read when trackio is imported
-    pytest.importorskip("trackio")
+    need("trackio")
     from trackio.sqlite_storage import SQLiteStorage
 
     settings = make_settings("areal", **{"run.max_steps": 3, "run.report_to": ["trackio"]})

@@ -5,11 +5,14 @@ version the trainer's actor publishes; it leaves no Ray connection and no /dev/s
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
+from tests.conftest import need
+
 pytestmark = pytest.mark.slow
-ray = pytest.importorskip("ray")
+ray = need("ray")
 
 
 def test_ray_handoff_quick(tmp_path, capsys) -> None:
@@ -25,7 +28,10 @@ def test_ray_handoff_quick(tmp_path, capsys) -> None:
     for r in rows.values():
         assert len(r["handoff_all"]) == res["versions"] == 2 and min(r["handoff_all"]) > 0
         assert r["tokens_per_s"] > 0
-    assert res["file_bytes"] > 0 and rows["local"]["handoff_vs_local"] == 1.0
+    assert res["file_bytes"] > 0
+    for r in rows.values():  # medians of each worker's own passes, against the local worker's
+        assert r["handoff_s"] == statistics.median(r["handoff_all"])
+        assert r["handoff_vs_local"] == pytest.approx(r["handoff_s"] / statistics.median(rows["local"]["handoff_all"]))
     assert (tmp_path / "ray_handoff.png").stat().st_size > 1000
     assert not ray.is_initialized()
     after = set(SHM_BASE.iterdir()) if SHM_BASE.is_dir() else set()

@@ -13,7 +13,6 @@ determinism, a reply prefix and a chat's turns reaching the prompt, shutdown, an
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import math
 import os
 import signal
@@ -25,6 +24,7 @@ from areal_aio import wire
 from areal_aio.fleet.client import PipeWorker, WorkerClient, WorkerFailed
 from areal_aio.fleet.fakes import FakeRollout
 from areal_aio.settings import build_settings
+from tests.conftest import need
 
 REPLY_TIMEOUT_S = 120.0
 """Generous: a cold worker imports torch and transformers on a busy machine."""
@@ -33,14 +33,13 @@ LONG = 1500
 each such request is aborted long before its end (tiny-random's context is 2048; the fake
 stops at 1000 tokens, 2 s)."""
 KINDS = ["fake", pytest.param("real", marks=pytest.mark.slow),
-         pytest.param("ray", marks=[pytest.mark.slow, pytest.mark.skipif(
-             importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")])]
+         pytest.param("ray", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One local Ray cluster for the module's Ray clients (they join it; it is not theirs to end)."""
-    import ray
+    ray = need("ray")
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              logging_level="WARNING")

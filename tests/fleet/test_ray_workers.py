@@ -11,7 +11,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-ray = pytest.importorskip("ray")
+from tests.conftest import need
+
+ray = need("ray")
 
 from areal_aio.control.controller import Orchestrator  # noqa: E402
 from areal_aio.fleet.client import WorkerFailed  # noqa: E402
