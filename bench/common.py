@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from areal_aio.control.stats import finished_by_itself
 from areal_aio.settings import Settings, load_settings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,8 +64,7 @@ def finished_summary(folder: Path, settings: Settings) -> dict | None:
         resolved = tomllib.loads((folder / "settings.toml").read_text())
     except (OSError, orjson.JSONDecodeError, tomllib.TOMLDecodeError):
         return None
-    # A cancelled run's summary has error "" (str of CancelledError): only null means finished.
-    if not isinstance(summary, dict) or "error" not in summary or summary["error"] is not None:
+    if not finished_by_itself(summary):
         return None
     return summary if _comparable(resolved) == _comparable(settings.to_dict()) else None
 

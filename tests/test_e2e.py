@@ -155,6 +155,7 @@ def test_cli_run_and_ctrl_c(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "interrupted" in err
+    assert orjson.loads((tmp_path / "int" / "summary.json").read_bytes())["ended"] == "interrupted"
     assert not shm_folders(name)
     pids = [orjson.loads(x)["pid"] for x in (tmp_path / "int" / "events.jsonl").read_bytes().splitlines()
             if b"worker_ready" in x]
@@ -177,7 +178,46 @@ def test_cli_sigterm_stops_cleanly(tmp_path):
     assert proc.returncode == 143, err
     assert not shm_folders(name)
     summary = orjson.loads((tmp_path / "term" / "summary.json").read_bytes())
-    assert summary["steps"] >= 1 and summary["error"] == "CancelledError"
+    assert summary["steps"] >= 1 and summary["ended"] == "interrupted"
+
+
+def test_cli_signals_during_the_stop_leave_nothing_half_done(tmp_path):
+    """SIGTERM, then Ctrl-C and SIGTERM every 20 ms until the process is gone: the stop still
+    runs to its end (workers gone, no /dev/shm folder, no temp folder, a whole model/ and a
+    whole last checkpoint)."""
+    from areal_aio.store import checkpoint
+
+    name = f"e2e-signals-{os.getpid()}"
+    folder = tmp_path / "sig"
+    sets = [arg for kv in TINY + [f"run.name={name}", "run.max_steps=100000", "run.checkpoint_every=1"]
+            for arg in ("--set", kv)]
+    proc = subprocess.Popen([sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"), *sets,
+                             "--out", str(folder)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (folder / "steps.jsonl").exists() or len((folder / "steps.jsonl").read_text().splitlines()) < 2:
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    proc.terminate()
+    signals = 1
+    while proc.poll() is None and time.time() < deadline:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+                signals += 1
+        time.sleep(0.02)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert signals > 3 and "already stopping" in err
+    assert not shm_folders(name)
+    assert not [str(p) for p in folder.rglob("*") if p.name.endswith((".tmp", ".old"))]
+    pids = [orjson.loads(x)["pid"] for x in (folder / "events.jsonl").read_bytes().splitlines()
+            if b"worker_ready" in x]
+    assert len(pids) == 2 and not any(alive(p) for p in pids)
+    summary = orjson.loads((folder / "summary.json").read_bytes())
+    assert summary["ended"] == "interrupted"
+    model = orjson.loads((folder / "model" / "areal_aio.json").read_bytes())
+    assert model["version"] == summary["final_version"] and (folder / "model" / "model.safetensors").exists()
+    assert checkpoint.latest(folder).version == summary["final_version"]  # the stop's own, whole
 
 
 def test_bench_grid_sigterm_stops_its_run_cleanly(tmp_path):

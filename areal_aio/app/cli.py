@@ -2,19 +2,23 @@
 
     run SETTINGS [--set ...] [--out DIR]     train (refuses a folder that holds a run)
     run --resume RUN_DIR [--set ...]         continue a run from its newest checkpoint
-    eval MODEL [SETTINGS] [--set ...] [--out FILE]
+    eval MODEL [SETTINGS] [--set ...] [--out FILE.json | DIR]
                                              score an HF folder, embedded spec or run folder
-                                             on the held-out set (the in-run protocol)
+                                             on the held-out set (the in-run protocol); writes
+                                             eval.json and its logs into DIR (or beside FILE),
+                                             the run folder, or runs/eval-<time>-<pid>/
     sft SETTINGS [--set ...] [--out DIR]     fine-tune on reference replies (areal_aio/app/sft.py); writes
                                              an HF folder (DIR/model) an RL run's model.path takes
     check SETTINGS [--set ...] | keys
     report RUN_DIR [RUN_DIR ...] [--out DIR] plots and report.md of run folders, finished or not
 
 `run` owns the process, so it owns the loop (uvloop where available) and its
-signals: Ctrl-C or SIGTERM cancels the run, which writes model/ and a final
-checkpoint, shuts both workers down and removes the run's /dev/shm folder
-before exiting 130 / 143. A run folder or checkpoint that cannot be used is one
-line on stderr and exit 2.
+signals: Ctrl-C or SIGTERM cancels the run, which finishes an eval in flight,
+writes model/ and a final checkpoint, shuts both workers down and removes the
+run's /dev/shm folder before exiting 130 / 143; a second signal does not cut
+that stop short (app/runner.py). A run folder or checkpoint that cannot be used
+is one line on stderr and exit 2. `run`, `run --resume`, `eval` and `sft` check
+their inputs first (app/preflight.py), as `check` does.
 
 Exit codes: 0 done; 1 the run failed (one line on stderr naming the cause, the
 traceback in <run>/error.log); 2 an input error (settings, task file, run folder,
@@ -31,7 +35,6 @@ import orjson
 
 from areal_aio.app.preflight import preflight
 from areal_aio.app.runner import exit_code, run_owned
-from areal_aio.fleet.client import WorkerFailed
 from areal_aio.settings import SettingsError, describe, load_settings
 from areal_aio.store.checkpoint import CheckpointError
 
@@ -60,7 +63,8 @@ def parser() -> argparse.ArgumentParser:
                                   "--set may change only resumable keys)")
         if name == "eval":
             cmd.add_argument("--out", default=None,
-                             help="eval.json path (default: into the run folder, else ./eval.json)")
+                             help="eval.json path (a .json file; the logs go beside it) or a folder for both "
+                                  "(default: the run folder scored, else run.out_dir/eval-<time>-<pid>)")
     tune = sub.add_parser("sft", help="fine-tune on reference replies before RL (the [sft] section)")
     tune.add_argument("settings", help="settings TOML file")
     tune.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -116,22 +120,27 @@ def _resume(run_dir: str, settings_path: str | None, overrides: list[str], out: 
         raise CheckpointError("--resume takes its settings and folder from the run; "
                               "give no settings file or --out")
     ckpt = latest(Path(run_dir))
-    return _run(resume_settings(ckpt, overrides), None, ckpt)
+    settings = resume_settings(ckpt, overrides)
+    preflight(settings, ckpt.path.parent.parent, out_key="--resume")  # its rows are read again by the run
+    return _run(settings, None, ckpt)
 
 
 def _eval(model: str, settings_path: str | None, overrides: list[str], out: str | None) -> int:
-    from areal_aio.control.evaluation import evaluate_model, model_settings
+    """`eval`: preflight as `run` (MODEL named as such), then the held-out set; writes eval.json
+    and the logs where evaluation.eval_file says, and says where in its last line."""
+    from areal_aio.control.evaluation import eval_file, evaluate_model, model_settings
 
-    settings, spec, folder = model_settings(model, settings_path, overrides)
-    target = Path(out) if out is not None else folder / "eval.json"
+    settings, spec, run_folder = model_settings(model, settings_path, overrides)
+    target = eval_file(settings, run_folder, out)
+    preflight(settings, target.parent, model_key="MODEL", ray=False,
+              out_key="--out" if out is not None else ("MODEL" if run_folder is not None else "run.out_dir"))
     try:
         result = run_owned(evaluate_model(settings, target))
-    except WorkerFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except BaseException as exc:  # noqa: BLE001 - exit_code re-raises what is not a job's end
+        return exit_code(exc, target.parent)
     print(f"{spec}: pass {result['pass_rate']:.3f}  strict {result['strict_rate']:.3f}  "
           f"reward {result['reward_mean']:.3f}  ({result['n']} held-out prompts)")
-    print(f"wrote {target}")
+    print(f"wrote {target} (the eval's logs beside it)")
     return 0
 
 

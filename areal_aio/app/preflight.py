@@ -1,8 +1,8 @@
 """Pre-flight: what a run needs from the files and the machine, checked before anything starts.
 
-`check` and `run` both call `preflight`; a problem is one line naming the key (or
-`--out`) and the cause, exit code 2, instead of a traceback seconds or minutes into
-the run. Checked:
+`check`, `run` (and `run --resume`), `eval` and `sft` all call `preflight`; a problem is
+one line naming the key (or `--out`, or eval's MODEL) and the cause, exit code 2, instead
+of a traceback seconds or minutes into the run. Checked:
 
     task.path        jsonl | parquet | datasets: the file (folder) exists and is readable
                      (JSONL as UTF-8), and every row is a task (a bad JSONL row is named as
@@ -18,6 +18,9 @@ the run. Checked:
     *.device(s)      cuda or cuda:N, in rollout.device, trainer.device and each entry of
                      rollout.devices and trainer.devices: torch in a subprocess (this
                      process never imports torch) sees that device
+    ray.address      a running cluster's ("auto", host:port): something listens there
+                     (one TCP connection, ray_workers.PROBE_TIMEOUT_S; "auto": the cluster Ray
+                     would find); "local" is started by the run
 
 Numbers (finite, in range) are checked earlier, by settings validation.
 """
@@ -58,15 +61,21 @@ class PreflightError(SettingsError):
     """An input the run cannot use (a file, a folder, a model, a device); names the key."""
 
 
-def preflight(settings: Settings, out: str | Path | None = None) -> list[Task] | None:
-    """Raise PreflightError naming the first unusable input; `out` is `run --out`, if given.
-    Returns the task file's rows (None for generated tasks), so a run need not read them again."""
+def preflight(settings: Settings, out: str | Path | None = None, *, out_key: str = "--out",
+              model_key: str = "model.path", ray: bool = True) -> list[Task] | None:
+    """Raise PreflightError naming the first unusable input; `out` is the folder the command
+    writes (`run --out`, the folder `eval` or `sft` writes), named `out_key`, if given (else
+    run.out_dir); `model_key` names where model.path came from (eval's MODEL); `ray`: the
+    command runs its workers where ray.address says (eval's are local). Returns the task file's
+    rows (None for generated tasks), so a run need not read them again."""
     rows = check_tasks(settings)
     check_reward(settings, rows)
     check_out(Path(out) if out is not None else Path(settings.run.out_dir),
-              "--out" if out is not None else "run.out_dir")
-    check_model(settings.model.path)
+              out_key if out is not None else "run.out_dir")
+    check_model(settings.model.path, model_key)
     check_devices(settings)
+    if ray:
+        check_ray(settings.ray.address)
     return rows
 
 
@@ -123,28 +132,29 @@ def check_out(folder: Path, key: str) -> None:
         raise PreflightError(f"{key}: cannot write in {str(existing)!r} ({exc.strerror or exc})") from None
 
 
-def check_model(spec: str) -> None:
+def check_model(spec: str, key: str = "model.path") -> None:
     from areal_aio.workers.models import EMBEDDED
 
     if spec.startswith("embedded:"):
         if spec not in EMBEDDED:
-            raise PreflightError(f"model.path: unknown embedded model {spec!r}; known: {', '.join(EMBEDDED)}")
+            raise PreflightError(f"{key}: unknown embedded model {spec!r}; known: {', '.join(EMBEDDED)}")
         return
     path = Path(spec)  # as the workers read it: "~" is not expanded
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise PreflightError(f"model.path: {spec!r} has no config.json: not a Hugging Face model folder")
+            hint = f" (a run folder? its model is {str(path / 'model')!r})" if (path / "model").is_dir() else ""
+            raise PreflightError(f"{key}: {spec!r} has no config.json: not a Hugging Face model folder{hint}")
         return
     if path.exists():
-        raise PreflightError(f"model.path: {spec!r} is a file; give the model's folder")
+        raise PreflightError(f"{key}: {spec!r} is a file; give the model's folder")
     if not HUB_ID.fullmatch(spec):
         hint = "; '~' is not expanded, give the full path" if spec.startswith("~") else ""
-        raise PreflightError(f"model.path: no such folder {spec!r} (and not a hub id: those are "
+        raise PreflightError(f"{key}: no such folder {spec!r} (and not a hub id: those are "
                              f"name or org/name){hint}")
-    check_hub_model(spec)
+    check_hub_model(spec, key)
 
 
-def check_hub_model(repo: str) -> None:
+def check_hub_model(repo: str, key: str = "model.path") -> None:
     """A hub id: in the local HF cache, or else the hub says it exists, within seconds."""
     from huggingface_hub import try_to_load_from_cache
 
@@ -152,7 +162,7 @@ def check_hub_model(repo: str) -> None:
         return
     local = f"{repo!r} is not a folder here and not in the local Hugging Face cache"
     if any(os.environ.get(v, "").lower() in TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
-        raise PreflightError(f"model.path: {local}, and HF_HUB_OFFLINE is set")
+        raise PreflightError(f"{key}: {local}, and HF_HUB_OFFLINE is set")
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     request = urllib.request.Request(f"{endpoint}/api/models/{repo}", method="HEAD")
     if os.environ.get("HF_TOKEN"):
@@ -161,12 +171,12 @@ def check_hub_model(repo: str) -> None:
         urllib.request.urlopen(request, timeout=HUB_PROBE_TIMEOUT_S).close()
     except urllib.error.HTTPError as exc:
         if exc.code in (401, 403, 404):
-            raise PreflightError(f"model.path: {local}, and {endpoint} has no model {repo!r} "
+            raise PreflightError(f"{key}: {local}, and {endpoint} has no model {repo!r} "
                                  f"(HTTP {exc.code}; a gated or private one needs HF_TOKEN)") from None
-        raise PreflightError(f"model.path: {local}, and {endpoint} answered HTTP {exc.code}") from None
+        raise PreflightError(f"{key}: {local}, and {endpoint} answered HTTP {exc.code}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise PreflightError(f"model.path: {local}, and {endpoint} is not reachable ({reason}); "
+        raise PreflightError(f"{key}: {local}, and {endpoint} is not reachable ({reason}); "
                              f"give a local folder or an embedded: model") from None
 
 
@@ -182,6 +192,19 @@ def check_devices(settings: Settings) -> None:
         if int(dev.partition(":")[2] or 0) >= count:
             raise PreflightError(f"{key}: {dev!r} asked for, but {torch} sees {count} CUDA "
                                  f"device{'' if count == 1 else 's'}")
+
+
+def check_ray(address: str) -> None:
+    """ray.address of a running cluster: something listens there (a run would otherwise wait
+    CONNECT_TIMEOUT_S for it, areal_aio/fleet/ray_workers.py); "" (no Ray) and "local" pass."""
+    if not address or address == "local":
+        return
+    from areal_aio.fleet.ray_workers import unreachable  # ray is installed: settings checked it
+
+    problem = unreachable(address)
+    if problem is not None:
+        raise PreflightError(f"ray.address: {problem}; start the cluster there (ray start --head), "
+                             f"or give ray.address = \"local\" for a private one")
 
 
 def _device_keys(role: str, devices: list[str], device: str) -> list[tuple[str, str]]:

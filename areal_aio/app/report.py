@@ -70,9 +70,17 @@ class Run:
 
     @property
     def state(self) -> str:
+        """How the run ended: its summary's `ended` (completed, threshold, max_wall, interrupted,
+        failed: <cause>, ...), or "in progress" before it has a summary. A summary from before
+        `ended` existed says it through `error` (CancelledError: interrupted)."""
         if self.summary is None:
             return "in progress"
-        return f"failed: {self.summary['error']}" if self.summary.get("error") else "finished"
+        if self.summary.get("ended"):
+            return self.summary["ended"]
+        error = self.summary.get("error")
+        if error in ("CancelledError", "KeyboardInterrupt", ""):
+            return "interrupted"
+        return f"failed: {error}" if error else "completed"
 
     @property
     def start_t(self) -> float:

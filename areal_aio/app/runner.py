@@ -37,17 +37,41 @@ def write_error_log(exc: BaseException, folder: Path) -> str:
     return f"see {folder / ERROR_LOG}"
 
 
-async def _owning_process(coro):
-    """The caller owns the process: SIGTERM cancels the run (Ctrl-C already does, via the runner)."""
+STOPPING = ("\nareal_aio: already stopping (finishing what the run keeps, stopping its workers); "
+            "this ends on its own, within the shutdown timeouts")
+"""Printed at each Ctrl-C or SIGTERM after the first."""
+
+
+async def _owning_process(coro, received: list[int]):
+    """The caller owns the process: the first Ctrl-C or SIGTERM cancels the job (its signal goes
+    into `received`); any later one only says that the stop is under way. A second signal that
+    cancelled again would cut the stop short (workers, /dev/shm files and half-written folders
+    left behind); the stop is bounded by its own timeouts instead."""
     loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+
+    def on_signal(signum: int) -> None:
+        if received:
+            print(STOPPING, file=sys.stderr, flush=True)
+            return
+        received.append(signum)
+        task.cancel()
+
+    signals = (signal.SIGINT, signal.SIGTERM)
     try:
-        loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+        for signum in signals:
+            loop.add_signal_handler(signum, on_signal, signum)
     except (ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals
+        for signum in signals:
+            loop.remove_signal_handler(signum)
         return await coro
     try:
         return await coro
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+            if received:  # the process is ending: a later signal must not kill it before it
+                signal.signal(signum, signal.SIG_IGN)  # exits with its code (kept past finalization)
 
 
 def exit_code(exc: BaseException, folder: Path) -> int:
@@ -69,8 +93,8 @@ def exit_code(exc: BaseException, folder: Path) -> int:
 def run_owned(coro):
     """Run `coro` on a fresh uvloop loop as the process's main job: Ctrl-C raises
     KeyboardInterrupt and SIGTERM raises CancelledError here, each after the coroutine's own
-    cleanup ran (for an Orchestrator: workers stopped, /dev/shm folder removed). Used by the
-    CLI and the bench scripts.
+    cleanup ran (for an Orchestrator: workers stopped, /dev/shm folder removed); signals after
+    the first do not interrupt that cleanup (_owning_process). Used by the CLI and the bench scripts.
 
     Everything alive before the run (imported modules, settings, tasks) is moved out of the
     garbage collector's sight first (gc.freeze): the controller keeps tens of thousands of
@@ -78,9 +102,15 @@ def run_owned(coro):
     event-loop stall at a time."""
     gc.collect()
     gc.freeze()
+    received: list[int] = []
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
-        return asyncio.run(_owning_process(coro))
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_owning_process(coro))
+        uvloop = None
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop if uvloop else None) as runner:
+            return runner.run(_owning_process(coro, received))
+    except asyncio.CancelledError:
+        if received and received[0] == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise

@@ -36,13 +36,16 @@ then for the trainer (no Train is sent while a Save is out: a checkpoint's two
 parts hold the same version); readers wait on their pipes. Only train_loop
 ends the run: when it returns, the other tasks are cancelled. Shutdown, on
 every path (normal end, threshold, max_wall_s, Ctrl-C, SIGTERM, a worker
-failure): while the rollout workers are stopped, a trainer that is alive keeps
-the run (keeping.py: it finishes and commits a step in flight, then writes
-model/, best/ and a final checkpoint); then it is stopped too (asked,
-terminated, killed), the weight store folder is removed and the summary
-written. A worker Error or EOF raises WorkerFailed in its reader, which
-cancels the TaskGroup and takes the same shutdown path; so does
-RewardPoolBroken, raised by a score task when the reward pool keeps breaking.
+failure): an interrupted run first finishes the evals it had in flight
+(_finish_evals, bounded: EVAL_AT_STOP_TIMEOUT_S); while the rollout workers are
+stopped, a trainer that is alive keeps the run (keeping.py: it finishes and
+commits a step in flight, then writes model/, best/ and a final checkpoint);
+then it is stopped too (asked, terminated, killed), the weight store folder is
+removed and the summary written (its `ended` says how the run ended). A cancel
+that arrives during the shutdown does not cut it short (_to_its_end). A worker
+Error or EOF raises WorkerFailed in its reader, which cancels the TaskGroup and
+takes the same shutdown path; so does RewardPoolBroken, raised by a score task
+when the reward pool keeps breaking.
 
 Resume (`resume=` a run folder): the controller state comes back from the
 newest checkpoint (run_state / _restore here, the best eval and the resumes in
@@ -92,6 +95,10 @@ MONITOR_PERIOD_S = 0.05
 PROGRESS_PERIOD_S = 2.0
 EVENT_QUEUE = 10_000
 """Events buffered per subscriber; a subscriber that falls further behind loses the oldest."""
+EVAL_AT_STOP_TIMEOUT_S = 60.0
+"""How long an interrupted run waits for the evals it had in flight (training rollouts aborted,
+the rollout workers answer only them): an in-run eval is greedy and short; one that takes longer
+is lost rather than holding Ctrl-C for minutes."""
 
 
 @dataclass(slots=True)
@@ -169,10 +176,13 @@ class Orchestrator:
         self.summary: dict[str, Any] = {}
         self._groups: dict[int, PendingGroup] = {}
         self._requests: dict[str, Sample] = {}
-        self._eval_waiters: dict[str, asyncio.Future] = {}
+        # held-out evals between their first request and their row (outlive a stop): evaluation.Evals
+        self._open_evals = evaluation.Evals()
         self._batch_ready = asyncio.Event()
         self._baseline_done = asyncio.Event()
         self._stop = asyncio.Event()
+        self._stop_reason: str | None = None  # what asked the run to stop: threshold, max_wall, stopped
+        self._ended: str | None = None  # why the train loop ended (the summary's `ended`)
         self._source_done = False
         self._closing = False  # the train loop is done: in-flight rollouts are abandoned
         self._group_ids = itertools.count()
@@ -186,7 +196,9 @@ class Orchestrator:
         # Train and Save requests, their replies, the step in flight: areal_aio.control.trainer_link
         self.link = TrainerLink(self.trainer, self._trainer_busy, self._commit)
         # checkpoints, resume, model/ and best/, the best eval: areal_aio.control.keeping
-        self.keeper = keeping.Keeper(self, self._ckpt)
+        self.keeper = keeping.Keeper(self.folder, settings, self.link, self._ckpt,
+                                     position=lambda: keeping.Position(self.step, self.version),
+                                     controller_state=self.run_state)
         self._subscribers: list[asyncio.Queue] = []
         self.eval_curve: list[dict] = []
         self._evals: set[asyncio.Task] = set()
@@ -219,7 +231,12 @@ class Orchestrator:
         return self.admission.version
 
     def stop(self) -> None:
-        """Ask the run to end after the current step (then final eval, summary)."""
+        """Ask the run to end after the current step (then final eval, summary: ended "stopped")."""
+        self._request_stop("stopped")
+
+    def _request_stop(self, reason: str) -> None:
+        if self._stop_reason is None:
+            self._stop_reason = reason
         self._stop.set()
         self._batch_ready.set()
 
@@ -237,7 +254,8 @@ class Orchestrator:
         """Prepare, start both workers, train until a stop condition; returns the summary.
 
         Raises checkpoint.CheckpointError, before touching anything, when the folder already
-        holds a run (without resume) or another run is using it."""
+        holds a run (without resume) or another run is using it. Once cancelled, the run stops
+        (_shutdown) to its end before this returns: a second cancel cannot cut the stop short."""
         self._lock = self.keeper.claim()
         self.log = RunLog(self.folder, self.settings.to_toml(), append=self._ckpt is not None)
         self._scorer = Scorer(self._reward, timeout_s=self.settings.controller.reward_timeout_s,
@@ -249,6 +267,7 @@ class Orchestrator:
             if any(p is not None for p in prep):
                 self._cold_start["prepare_s"] = round(sum(p or 0.0 for p in prep), 3)
             self.store = WeightStore.create(self._name.replace("/", "_"))
+            self.keeper.attach(self.log, self.store)
             await self._start_workers()
             self._t0 = time.perf_counter() - self._spent
             if self._ckpt is not None:  # the groups to dispatch again lost their samples in flight
@@ -261,7 +280,7 @@ class Orchestrator:
             raise
         finally:
             try:
-                await asyncio.shield(self._shutdown(error))
+                await _to_its_end(self._shutdown(error))
             finally:
                 self._lock.close()
         return self.summary
@@ -307,14 +326,20 @@ class Orchestrator:
         for task in list(self._evals):
             task.cancel()
         failure = _worker_failure(error)
-        await asyncio.gather(self.rollout.stop(), self.keeper.keep_and_stop_trainer(failure, self._workers_up),
-                             return_exceptions=True)
-        await self._scorer.aclose()
-        if self.store is not None:
-            self.store.close()
+        try:
+            if isinstance(error, asyncio.CancelledError) and self._workers_up and self._open_evals.open:
+                await self._finish_evals()
+            await asyncio.gather(self.rollout.stop(),
+                                 self.keeper.keep_and_stop_trainer(failure, self._workers_up),
+                                 return_exceptions=True)
+            await self._scorer.aclose()
+        finally:
+            if self.store is not None:
+                self.store.close()
         self.summary = self._summarize(failure or error)
         if self.log is not None:
-            self.log.events.info("run_end", error=None if error is None else type(error).__name__)
+            self.log.events.info("run_end", ended=self.summary["ended"],
+                                 error=None if error is None else type(error).__name__)
             await self.log.settle()
             self.log.write_summary(self.summary)
         for queue in self._subscribers:
@@ -372,9 +397,7 @@ class Orchestrator:
                     self._rollout_busy.down()
                     share = self._shares[self.rollout.source]
                     share.requests += 1
-                    if msg.request_id in self._eval_waiters:
-                        self._eval_waiters.pop(msg.request_id).set_result(msg)
-                    elif not self._process.deliver(msg):
+                    if not self._open_evals.deliver(msg) and not self._process.deliver(msg):
                         self._on_completion(msg, share)
                 case wire.WeightsLoaded():
                     self.log.events.info("weights_loaded", version=msg.version, worker=msg.worker,
@@ -495,6 +518,8 @@ class Orchestrator:
                 await self.keeper.export_best()
             if every and self.step % every == 0 and not last:
                 await self.keeper.checkpoint()
+        self._ended = self._stop_reason or ("completed" if self.step >= self.settings.run.max_steps
+                                            else "exhausted")
         # the final eval gets the rollout workers to themselves: training rollouts end first
         await self._stop_generating()
         if not any(row["step"] == self.step for row in self.eval_curve) and \
@@ -512,7 +537,9 @@ class Orchestrator:
             await self.rollout.send_many(aborts)  # each to the worker that holds it
 
     def _should_stop(self) -> bool:
-        return self._stop.is_set() or time.perf_counter() - self._t0 >= self.settings.run.max_wall_s
+        if not self._stop.is_set() and time.perf_counter() - self._t0 >= self.settings.run.max_wall_s:
+            self._request_stop("max_wall")
+        return self._stop.is_set()
 
     async def _train_step(self, batch: list[Group], wait_s: float) -> None:
         samples = [s for g in batch for s in g.samples]
@@ -603,20 +630,28 @@ class Orchestrator:
         task.add_done_callback(self._evals.discard)
 
     async def _evaluate(self, step: int, version: int) -> None:
-        """Greedy answers on the held-out set (areal_aio.control.evaluation); never enters training."""
-        loop = asyncio.get_running_loop()
+        """Greedy answers on the held-out set (areal_aio.control.evaluation); never enters training.
+        A stop that cancels this leaves the eval open: _finish_evals completes it."""
+        pending = self._open_evals.begin(step, version, evaluation.requests(self._eval_set, step, self.settings))
         self.keeper.eval_starts[step] = version
-        try:
-            futures = []
-            for msg in evaluation.requests(self._eval_set, step, self.settings):
-                futures.append(fut := loop.create_future())
-                self._eval_waiters[msg.request_id] = fut
-                self._rollout_busy.up()
-                await self.rollout.send(msg)
-            completions = [await fut for fut in futures]
-            scores = await evaluation.score(self._scorer, self._eval_set, completions)
-        finally:
-            del self.keeper.eval_starts[step]
+        await self._send_eval(pending)
+        await pending.answered.wait()
+        await self._record_eval(pending)
+
+    async def _send_eval(self, pending: evaluation.PendingEval) -> None:
+        """The requests of an eval not sent yet, one by one (a pool spreads them over its workers)."""
+        while pending.sent < len(pending.requests):
+            msg = pending.requests[pending.sent]
+            pending.sent += 1  # the frame is written before the first wait: sent, even if cancelled there
+            self._rollout_busy.up()
+            await self.rollout.send(msg)
+
+    async def _record_eval(self, pending: evaluation.PendingEval) -> None:
+        """An eval with every answer in: scored, then its row everywhere it goes."""
+        step, version, completions = pending.step, pending.version, pending.answers
+        scores = await evaluation.score(self._scorer, self._eval_set, completions)
+        self._open_evals.end(pending)
+        del self.keeper.eval_starts[step]
         self.counts.eval_tokens += sum(len(c.completion_ids) for c in completions)
         # With interrupts on, an eval answer can finish under newer weights than it started with;
         # the row is stamped with the newest version used, at the time that version was committed.
@@ -634,7 +669,36 @@ class Orchestrator:
         if threshold > 0 and row["pass_rate"] >= threshold:
             if self._time_to_threshold is None or row["wall_s"] < self._time_to_threshold:
                 self._time_to_threshold = row["wall_s"]
-            self._stop.set()
+            self._request_stop("threshold")
+
+    async def _finish_evals(self) -> None:
+        """An interrupted run finishes the evals it had in flight, within EVAL_AT_STOP_TIMEOUT_S,
+        before it writes model/ and its final checkpoint (so their rows are in it): they measure
+        the weights they started on, which a resume no longer has. Training rollouts and
+        continuations are aborted first; the rollout reader was cancelled, so one runs here.
+        An eval not finished in time (or a worker that fails now) is lost and logged."""
+        evals = list(self._open_evals.open.values())
+        self._closing = True  # the reader drops training answers: the run is over
+        reader = asyncio.create_task(self._rollout_reader(), name="rollout_reader_at_stop")
+        answered = asyncio.ensure_future(asyncio.gather(*(e.answered.wait() for e in evals)))
+        try:
+            async with asyncio.timeout(EVAL_AT_STOP_TIMEOUT_S):
+                if aborts := [wire.Abort(rid) for rid in [*self._requests, *self._process.close()]]:
+                    await self.rollout.send_many(aborts)
+                for pending in evals:
+                    await self._send_eval(pending)
+                await asyncio.wait([reader, answered], return_when=asyncio.FIRST_COMPLETED)
+                if reader.done():
+                    reader.result()  # a worker that failed meanwhile: raised here
+                for pending in evals:
+                    await self._record_eval(pending)
+        except Exception as exc:  # noqa: BLE001 - the stop goes on without the eval
+            self.log.events.info("eval_lost", steps=[e.step for e in self._open_evals.open.values()],
+                                 error=f"{type(exc).__name__}: {exc}")
+        finally:
+            answered.cancel()
+            reader.cancel()
+            await asyncio.gather(reader, answered, return_exceptions=True)
 
     # ------------------------------------------------------------------ monitoring
 
@@ -653,7 +717,7 @@ class Orchestrator:
             self._lag_max = max(self._lag_max, now - expected)
             expected = now + MONITOR_PERIOD_S
             if now - self._t0 >= self.settings.run.max_wall_s:
-                self.stop()
+                self._request_stop("max_wall")
             if now - last_progress >= PROGRESS_PERIOD_S:
                 last_progress = now
                 self.log.events.info("queues", in_flight=len(self._requests), replay_groups=len(self.replay),
@@ -682,7 +746,26 @@ class Orchestrator:
             process=self._process.stats(self.counts.gen_tokens), rollout_busy_s=self._rollout_busy.seconds(),
             trainer_busy_s=self._trainer_busy.seconds(), rollout_workers_detail=detail,
             lag_max_s=self._lag_max, folder=str(self.folder),
-            error=error)
+            error=error, reason=self._ended)
+
+
+async def _to_its_end(stopping: Any) -> None:
+    """Await the coroutine `stopping` to its end, whatever cancels the caller meanwhile (a second
+    Ctrl-C, a caller that cancels twice): a stop cut short leaves workers, /dev/shm files and
+    half-written folders behind, and the stop is bounded by its own timeouts. A cancel that
+    arrived meanwhile is raised once it has ended."""
+    task = asyncio.ensure_future(stopping)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    task.result()  # what the stop raises (the failure that ended the run)
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def _worker_failure(error: BaseException | None) -> WorkerFailed | RewardPoolBroken | None:

@@ -8,12 +8,17 @@
 Inside a run the controller sends the requests and routes the answers (its rollout reader
 owns the pipe); `evaluate_model` starts a rollout worker of its own (one per rollout.devices
 entry, as a run would), so any HF folder, embedded spec or run folder is scored exactly as the
-run scored its versions.
+run scored its versions. It writes eval.json, and its workers' logs beside it, where `eval_file`
+says: --out, the run folder scored, or runs/eval-<time>-<pid>/.
+
+An in-run eval is a PendingEval from its first request to its row, kept in the run's Evals
+(not in the task that awaits it): a stop can finish it (controller._finish_evals).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +29,7 @@ from areal_aio import wire
 from areal_aio.fleet.client import PipeWorker, WorkerClient
 from areal_aio.fleet.rollout_pool import RolloutPool
 from areal_aio.rewards.scoring import AnswerReward, Score, Scorer, component_means, load_rewards
-from areal_aio.settings import Settings, load_settings, resolved_settings
+from areal_aio.settings import Settings, SettingsError, load_settings, resolved_settings
 from areal_aio.tasks.sources import eval_tasks
 from areal_aio.tasks.task import Task
 
@@ -57,26 +62,94 @@ def sample_rows(step: int, eval_set: list[Task], completions: list[wire.Completi
             for task, c, s in zip(eval_set, completions, scores, strict=True)]
 
 
+class PendingEval:
+    """One in-run eval from its first request to its row. It lives in `Evals`, not in the task
+    that runs it, so a stop that cancels that task can still finish it (the controller's
+    _finish_evals): which requests are sent, which answers are in."""
+
+    def __init__(self, step: int, version: int, requests: list[wire.Generate]) -> None:
+        self.step, self.version, self.requests = step, version, requests
+        self.sent = 0  # requests[:sent] are with the rollout workers
+        self.answers: list[wire.Completion] = [None] * len(requests)  # type: ignore[list-item]
+        self.missing = len(requests)
+        self.answered = asyncio.Event()  # set once every answer is in
+
+
+class Evals:
+    """The run's evals in flight, by step; `deliver` hands each eval answer to its eval (the
+    rollout reader calls it for every Completion)."""
+
+    def __init__(self) -> None:
+        self.open: dict[int, PendingEval] = {}
+        self._of: dict[str, tuple[PendingEval, int]] = {}  # request id -> (its eval, its index)
+
+    def begin(self, step: int, version: int, requests: list[wire.Generate]) -> PendingEval:
+        pending = self.open[step] = PendingEval(step, version, requests)
+        self._of.update((msg.request_id, (pending, i)) for i, msg in enumerate(requests))
+        return pending
+
+    def deliver(self, msg: wire.Completion) -> bool:
+        """Take an eval request's answer (True), or leave any other request's (False)."""
+        found = self._of.pop(msg.request_id, None)
+        if found is None:
+            return False
+        pending, i = found
+        pending.answers[i] = msg
+        pending.missing -= 1
+        if not pending.missing:
+            pending.answered.set()
+        return True
+
+    def end(self, pending: PendingEval) -> None:
+        """Its row is written: no longer in flight."""
+        self.open.pop(pending.step, None)
+        for msg in pending.requests:
+            self._of.pop(msg.request_id, None)
+
+
 # ---------------------------------------------------------------- the eval command
 
 
-def model_settings(model: str, settings_path: str | None, overrides: list[str]) -> tuple[Settings, str, Path]:
-    """(settings, model.path, folder for eval.json) for `eval MODEL`.
+RUN_MARKERS = ("summary.json", "steps.jsonl", "events.jsonl")
+"""Beside settings.toml, any of these makes a folder a run folder (a model folder has none)."""
 
-    A run folder (it has settings.toml and model/) is scored with its own settings unless a
-    settings file is given, and eval.json goes into it; anything else is a model spec."""
+
+def model_settings(model: str, settings_path: str | None,
+                   overrides: list[str]) -> tuple[Settings, str, Path | None]:
+    """(settings, model.path, the run folder MODEL is or None) for `eval MODEL`.
+
+    A run folder (settings.toml beside its rows) is scored by its model/ with its own settings
+    unless a settings file is given; a run folder without model/ is a SettingsError naming it.
+    Anything else is a model spec (an HF folder, embedded:NAME, a hub id), checked by preflight."""
     folder = Path(model)
-    if (folder / "settings.toml").is_file() and (folder / "model" / "config.json").is_file():
+    if (folder / "settings.toml").is_file() and any((folder / name).exists() for name in RUN_MARKERS):
         spec = str(folder / "model")
+        if not (folder / "model" / "config.json").is_file():
+            raise SettingsError(f"MODEL: {model} is a run folder without model/ (the run committed no "
+                                "update, was killed before writing it, or model/ was removed); "
+                                "`run --resume` it to write one, or give a model folder")
         if settings_path is None:
             import tomllib
 
-            tree = tomllib.loads((folder / "settings.toml").read_text())
+            try:
+                tree = tomllib.loads((folder / "settings.toml").read_text())
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+                raise SettingsError(f"MODEL: {folder / 'settings.toml'} is not a settings file ({exc})") from None
             return resolved_settings(tree, [*overrides, f"model.path={_quoted(spec)}"]), spec, folder
-        out = folder
-    else:
-        spec, out = model, Path(".")
-    return load_settings(settings_path, [*overrides, f"model.path={_quoted(spec)}"]), spec, out
+        return load_settings(settings_path, [*overrides, f"model.path={_quoted(spec)}"]), spec, folder
+    return load_settings(settings_path, [*overrides, f"model.path={_quoted(model)}"]), model, None
+
+
+def eval_file(settings: Settings, run_folder: Path | None, out: str | None) -> Path:
+    """Where `eval` writes eval.json (its logs go beside it): `--out` (a .json file, else a
+    folder), else the run folder scored, else a folder of its own under run.out_dir
+    (eval-<time>-<pid>), never the current folder."""
+    if out is not None:
+        path = Path(out)
+        return path if path.suffix == ".json" else path / "eval.json"
+    if run_folder is not None:
+        return run_folder / "eval.json"
+    return Path(settings.run.out_dir) / f"eval-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}" / "eval.json"
 
 
 def _quoted(text: str) -> str:

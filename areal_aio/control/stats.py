@@ -15,6 +15,7 @@ changes it and every row one place that builds it:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import time
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal_aio import wire
+from areal_aio.fleet.client import WorkerFailed
 from areal_aio.rewards.scoring import Score, component_means
 from areal_aio.settings import Settings
 
@@ -160,9 +162,10 @@ def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, 
               max_trained_staleness: int, resumes: list[dict], best: dict, eval_curve: list[dict],
               time_to_threshold: float | None, process: dict, rollout_busy_s: float,
               trainer_busy_s: float, rollout_workers_detail: list[dict[str, Any]], lag_max_s: float,
-              folder: str, error: BaseException | None) -> dict[str, Any]:
+              folder: str, error: BaseException | None, reason: str | None = None) -> dict[str, Any]:
     """summary.json: the run's settings that matter, its counts, rates and eval curve;
-    `rollout_workers_detail`: worker_rows."""
+    `rollout_workers_detail`: worker_rows; `ended`: how it ended (`ended`, from `error` and the
+    train loop's `reason`)."""
     unused = c.admitted - c.accepted - c.dropped_stale - c.dropped_interrupt
     return {
         "mode": s.run.mode, "max_staleness": num(s.eta), "objective": s.trainer.objective,
@@ -187,8 +190,47 @@ def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, 
         "rollout_workers_detail": rollout_workers_detail,
         "loop_lag_max_ms": round(1000 * lag_max_s, 2),
         "folder": folder,
-        "error": None if error is None else (str(error) or type(error).__name__),
+        "ended": ended(error, reason),
+        "error": None if error is None or interrupted(error) else (str(error) or type(error).__name__),
     }
+
+
+ENDINGS = ("completed", "exhausted", "threshold", "max_wall", "stopped", "interrupted")
+"""How a run ends, besides "failed: <cause>": completed (run.max_steps), exhausted (the task
+source ran out), threshold (a held-out eval reached run.threshold), max_wall (run.max_wall_s),
+stopped (Orchestrator.stop()), interrupted (cancelled: Ctrl-C, SIGTERM, a caller's cancel)."""
+
+
+def ended(error: BaseException | None, reason: str | None) -> str:
+    """The summary's `ended`: a run cancelled by its user (Ctrl-C, SIGTERM) was interrupted, not
+    failed; one that stopped by itself says why (`reason`, from its train loop)."""
+    if interrupted(error):
+        return "interrupted"
+    if error is not None:
+        return f"failed: {cause(error)}"
+    return reason or "completed"
+
+
+def interrupted(error: BaseException | None) -> bool:
+    """Cancelled by its user (Ctrl-C, SIGTERM, a caller's cancel): a stop, not an error."""
+    return isinstance(error, (asyncio.CancelledError, KeyboardInterrupt))
+
+
+def finished_by_itself(summary: dict[str, Any]) -> bool:
+    """A summary of a run that ran to one of its own ends (not interrupted, not failed).
+    A summary written before `ended` existed: its `error` was set for both."""
+    if not isinstance(summary, dict) or summary.get("error") is not None:
+        return False
+    return summary.get("ended", "completed") in ENDINGS and summary.get("ended") != "interrupted"
+
+
+def cause(exc: BaseException) -> str:
+    """A failure in one line: the first leaf of an exception group, its type (unless it names its
+    own cause, as 'trainer worker failed: ...' does) and first line (as app.runner.one_line)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return first if isinstance(exc, WorkerFailed) else f"{type(exc).__name__}: {first}".rstrip(": ")
 
 
 def num(x: float) -> float | int | None:

@@ -29,6 +29,11 @@ store sweeps it there (its owner, the actor, is gone).
 
 Ray is one connection per process (ray.init): the first RayWorker to start connects (ray.address
 = "local" starts a private cluster), the last to stop disconnects (a private cluster shuts down).
+A running cluster's address is first probed (`unreachable`: one TCP connection, the check
+preflight makes too), then joined in a thread of its own within CONNECT_TIMEOUT_S: ray.init keeps
+retrying an address where no cluster answers, and would hold the event loop (and its SIGTERM)
+meanwhile. ray.init in the main thread installs a SIGTERM handler of its own (sys.exit): the
+one it replaced is put back, so SIGTERM stops a run on Ray as it stops a local one.
 areal_aio must be importable on every node (installed there, or on PYTHONPATH), and model.path
 valid on each (an embedded model or a hub id is prepared on each node when its actor starts).
 """
@@ -36,10 +41,15 @@ valid on each (an embedded model or a hub id is prepared on each node when its a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import mmap
+import os
 import shutil
+import signal
+import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +79,11 @@ as pending but not yet opened when the newest arrives (it then loads the newest 
 STOP_TIMEOUT_S = SHUTDOWN_TIMEOUT_S + 2 * KILL_TIMEOUT_S
 """An actor stops its worker (ask, terminate, kill) within this; then it is killed itself."""
 READ_BYTES = 1 << 20
+PROBE_TIMEOUT_S = 5.0
+"""One TCP connection to a cluster's address: a node on the same network answers in milliseconds."""
+CONNECT_TIMEOUT_S = 30.0
+"""Joining a running cluster (ray.init): seconds when it answers; past this it is not going to
+(ray.init itself retries for minutes, then again)."""
 
 
 @ray.remote
@@ -174,7 +189,7 @@ class RayWorker:
         return None
 
     async def start(self, init: wire.Init) -> wire.Ready:
-        Cluster.join(self.address, self.cpus)
+        await Cluster.join(self.address, self.cpus)
         self._joined = True
         try:
             return await asyncio.wait_for(self._start(init), READY_TIMEOUT_S)
@@ -299,16 +314,35 @@ class Cluster:
 
     users = 0
     owned = False
+    _joining: concurrent.futures.Future | None = None  # a connection being made, in its thread
 
     @classmethod
-    def join(cls, address: str, cpus: int) -> None:
-        """`address` "local": start a private cluster with `cpus` CPUs (what the workers ask for)."""
+    async def join(cls, address: str, cpus: int) -> None:
+        """`address` "local": start a private cluster with `cpus` CPUs (what the workers ask for);
+        another address: join that running cluster (ClusterUnreachable, naming it, when it does
+        not answer within CONNECT_TIMEOUT_S)."""
         if cls.users == 0 and not ray.is_initialized():
-            local = address == "local"
-            ray.init(address=address, num_cpus=cpus if local else None, include_dashboard=False,
-                     log_to_driver=False, logging_level="WARNING")
+            if address == "local":
+                _keeping_sigterm(lambda: ray.init(address="local", num_cpus=cpus, include_dashboard=False,
+                                                  log_to_driver=False, logging_level="WARNING"))
+            else:
+                await cls._connect(address)
             cls.owned = True
         cls.users += 1
+
+    @classmethod
+    async def _connect(cls, address: str) -> None:
+        """ray.init(address) in a daemon thread (the workers starting together share it): the
+        loop stays free, and one that never returns is left behind when the process exits."""
+        if cls._joining is None or cls._joining.done():
+            cls._joining = concurrent.futures.Future()
+            threading.Thread(target=_connect_into, args=(address, cls._joining), daemon=True,
+                             name="ray-connect").start()
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(cls._joining)), CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            raise ClusterUnreachable(f"ray.address = {address!r}: no Ray cluster answered within "
+                                     f"{CONNECT_TIMEOUT_S:.0f}s") from None
 
     @classmethod
     def leave(cls) -> None:
@@ -316,6 +350,72 @@ class Cluster:
         if cls.users == 0 and cls.owned:
             cls.owned = False
             ray.shutdown()
+
+
+class ClusterUnreachable(ConnectionError):
+    """A running Ray cluster that cannot be joined; the message is one line naming the address."""
+
+
+def unreachable(address: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why nothing could answer at `address` (a running cluster's: "auto", "host:port"), in words,
+    or None when something listens there. "auto" is the cluster Ray itself would find (RAY_ADDRESS,
+    else the last one started on this node); "local" needs no probe."""
+    if address == "local":
+        return None
+    if address == "auto":
+        found = os.environ.get("RAY_ADDRESS", "")
+        if not found or found == "auto":
+            try:
+                from ray._private.services import canonicalize_bootstrap_address_or_die
+            except ImportError:  # a Ray without it: ray.init finds (or not) the cluster itself
+                return None
+            try:
+                found = canonicalize_bootstrap_address_or_die("auto")
+            except (ConnectionError, ValueError) as exc:
+                return f"no running Ray cluster found on this node ({str(exc).splitlines()[0]})"
+        return None if found == "local" else _closed(found, timeout)
+    return _closed(address, timeout)
+
+
+def _closed(address: str, timeout: float) -> str | None:
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit():
+        return f"{address!r} is not host:port"
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except TimeoutError:
+        return f"nothing answered at {host}:{port} within {timeout:.0f}s"
+    except OSError as exc:
+        return f"nothing listens at {host}:{port} ({exc.strerror or exc})"
+    return None
+
+
+def _connect_into(address: str, done: concurrent.futures.Future) -> None:
+    """Probe, then ray.init(address) (a thread's target): the outcome goes into `done`."""
+    try:
+        problem = unreachable(address)
+        if problem is not None:
+            raise ClusterUnreachable(f"ray.address = {address!r}: {problem}")
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    except BaseException as exc:  # noqa: BLE001 - handed to the waiting coroutine
+        if not done.cancelled():
+            done.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+    else:
+        done.set_result(None)
+
+
+def _keeping_sigterm(start: Any) -> None:
+    """Run `start` (ray.init), then put back the SIGTERM handler it replaced with its own."""
+    if threading.current_thread() is not threading.main_thread():
+        start()
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        start()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def gpu_share(device: str, settings: Settings) -> float:

@@ -100,7 +100,7 @@ def test_report_command_writes_the_pictures_and_a_page_naming_every_run(two_runs
         png = root / "out" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         assert f"]({name}.png)" in text
-    assert "| sync-done (sync) | finished | 0 | 6 | 6 | 6.2 |" in text
+    assert "| sync-done (sync) | completed | 0 | 6 | 6 | 6.2 |" in text
     assert "| areal-running (areal) | in progress | 4 | 5 | 5 | 5.0 |" in text
     assert "2 JSONL line(s) could not be read" in text
 
@@ -161,7 +161,7 @@ async def test_report_on_a_run_the_controller_wrote(tmp_path):
     settings = make_settings("areal", **{"run.max_steps": 4})
     await orchestrator(tmp_path, settings).run()
     run = read_run(tmp_path / "run")
-    assert run.state == "finished" and len(run.steps) == 4 and run.unreadable == 0
+    assert run.state == "completed" and len(run.steps) == 4 and run.unreadable == 0
     assert [r["step"] for r in run.evals] == [0, 2, 4]
     assert len(run.staleness) == 16
     trainer = run.busy_intervals("trainer")
@@ -170,6 +170,32 @@ async def test_report_on_a_run_the_controller_wrote(tmp_path):
     figs = figures([run])
     assert len(figs["training"].axes[0].get_lines()[0].get_xdata()) == 4
     assert list(figs["queues"].axes[-1].get_lines()[0].get_ydata()) == [0, 1, 2, 3, 4]
+
+
+async def test_an_interrupted_run_reads_as_interrupted_not_failed(tmp_path):
+    """Its summary says how it ended (`ended`); a summary from before `ended` says it by its error."""
+    import asyncio
+
+    from areal_aio.fleet.fakes import FakeTrainer
+
+    orch = orchestrator(tmp_path, make_settings("areal", **{"run.max_steps": 1000}),
+                        trainer=FakeTrainer(step_delay_s=0.005))
+    task = asyncio.create_task(orch.run())
+    while orch.step < 2:
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    run = read_run(tmp_path / "run")
+    assert run.state == "interrupted"
+    assert "| run (areal) | interrupted |" in (cli.main(["report", str(tmp_path / "run")]) == 0
+                                                and (tmp_path / "run" / "report" / "report.md").read_text())
+    for summary, state in (({"error": "CancelledError"}, "interrupted"), ({"error": None}, "completed"),
+                           ({"error": "boom"}, "failed: boom"),
+                           ({"ended": "failed: trainer worker failed: exited with code -9", "error": "x"},
+                            "failed: trainer worker failed: exited with code -9")):
+        (tmp_path / "run" / "summary.json").write_bytes(orjson.dumps(summary))
+        assert read_run(tmp_path / "run").state == state
 
 
 def test_report_folder_defaults_and_a_folder_that_is_not_a_run(two_runs, capsys):
