@@ -216,6 +216,41 @@ class TrainerSettings:
     bf16: str = opt("auto", "bf16 autocast for forward/backward (fp32 master weights): on | off | auto (on where the hardware multiplies bf16 natively: a CUDA device that supports it, a CPU with AVX512-BF16 or AMX; off elsewhere, since an AVX2 CPU emulates bf16 and runs it far slower than fp32). true / false mean on / off.", choices=("auto", "on", "off"))
 
 
+LORA_ALL = "all-linear"
+"""lora.targets: every linear layer of the blocks (peft's "all-linear": the output layer left out)."""
+
+
+def lora_targets_value(key: str, value: Any) -> str | list:
+    """lora.targets: "all-linear" or a non-empty list of module names (q_proj, ...). Whether the
+    model has them is checked where the model is: workers/models.py `lora_target_problem` (a
+    subprocess, for `check`) and the trainer's start."""
+    if value == LORA_ALL:
+        return value
+    if isinstance(value, str):
+        raise SettingsError(f"{key}: expected \"{LORA_ALL}\" or a list of module names such as "
+                            f"[\"q_proj\", \"v_proj\"], got {value!r}")
+    if not isinstance(value, list) or not value:
+        raise SettingsError(f"{key}: expected \"{LORA_ALL}\" or a non-empty list of module names, got {value!r}")
+    for name in value:
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_0-9]\w*)*", name):
+            raise SettingsError(f"{key}: {name!r} is not a module name (q_proj, mlp.down_proj, ...)")
+    if len(set(value)) < len(value):
+        raise SettingsError(f"{key}: {next(n for n in value if value.count(n) > 1)!r} is given twice")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSettings:
+    """LoRA (built on peft): the base frozen on both workers, a low-rank adapter trained and
+    handed over alone (workers/lora.py; README, LoRA)."""
+
+    rank: int = opt(0, "Rank r of the adapter on each targeted linear layer (W + alpha / r * B A, B starting at 0); 0 = full fine-tuning (every weight trained and handed over).", ge=0)
+    alpha: float = opt(16.0, "The adapter's scale numerator: its update is multiplied by alpha / rank.", gt=0)
+    dropout: float = opt(0.0, "Dropout on the adapter's input in the trainer's gradient passes (the proximal, reference and rollout passes run without it, so pi_prox stays a no-grad pass of its own); 0 = off.", ge=0, le=0.9)
+    targets: str | list = opt(LORA_ALL, "\"all-linear\" (every linear layer of the blocks; the output layer is never adapted) or a list of module names, e.g. [\"q_proj\", \"v_proj\"]; a name the model lacks is an error naming the model's linear modules.", parse=lora_targets_value)
+    merge: bool = opt(True, "How the rollout worker applies each version: true = merged into its weights, W = W_base + alpha / rank * B A recomputed from a pristine copy of the base each version (no error accumulates; decoding costs what the plain model costs) | false = peft's LoRA layers kept unmerged in the engine (no copy of the base; every decode step pays the adapter's matmuls). Measured: README, LoRA.")
+
+
 @dataclass(frozen=True, slots=True)
 class ControllerSettings:
     max_staleness: int = opt(4, "eta in areal mode; -1 = unbounded. sync forces 0, one_step forces 1.", ge=-1)
@@ -265,6 +300,7 @@ SECTIONS: dict[str, type] = {
     "task": TaskSettings,
     "rollout": RolloutSettings,
     "trainer": TrainerSettings,
+    "lora": LoraSettings,
     "controller": ControllerSettings,
     "sft": SftSettings,
     "process": ProcessSettings,
@@ -279,6 +315,7 @@ class Settings:
     task: TaskSettings = field(default_factory=TaskSettings)
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     trainer: TrainerSettings = field(default_factory=TrainerSettings)
+    lora: LoraSettings = field(default_factory=LoraSettings)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     sft: SftSettings = field(default_factory=SftSettings)
     process: ProcessSettings = field(default_factory=ProcessSettings)
@@ -329,6 +366,8 @@ class Settings:
         gpus = ["cuda:0" if dev == "cuda" else dev for dev in ranks if dev != "cpu"]
         if len(set(gpus)) < len(gpus):
             raise SettingsError(f"trainer.devices: {ranks} names a GPU twice; NCCL takes one rank per GPU")
+        if self.lora.rank and importlib.util.find_spec("peft") is None:
+            raise SettingsError("lora.rank: LoRA needs the peft package: pip install peft")
 
     @property
     def eta(self) -> float:

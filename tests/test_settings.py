@@ -247,3 +247,31 @@ def test_sync_shares_the_cores_among_the_workers_of_a_role(monkeypatch) -> None:
     s = load_settings(None, ["run.mode=sync", 'trainer.devices=["cuda:0", "cuda:1"]'])
     assert (s.rollout.threads, s.trainer.threads) == (8, 1)  # GPU ranks: no preset
     assert load_settings(None, ["run.mode=sync", "rollout.devices=16"]).rollout.threads == 1
+
+
+def test_lora_is_off_by_default_and_its_keys_are_checked() -> None:
+    s = build_settings({})
+    assert s.lora.rank == 0 and s.lora.targets == "all-linear" and s.lora.merge
+    on = build_settings({"lora": {"rank": 8, "alpha": 32, "targets": ["q_proj", "mlp.down_proj"]}})
+    assert on.lora.alpha == 32.0 and on.lora.targets == ["q_proj", "mlp.down_proj"]
+    assert resolved_settings(on.to_dict()) == on and build_settings(tomllib.loads(on.to_toml())) == on
+    for sets, needle in [(["lora.rank=-1"], "lora.rank: -1 out of range"),
+                         (["lora.alpha=0"], "lora.alpha: 0.0 out of range"),
+                         (["lora.dropout=1.0"], "lora.dropout: 1.0 out of range"),
+                         (["lora.targets=q_proj"], 'lora.targets: expected "all-linear" or a list'),
+                         (["lora.targets=[]"], "non-empty list"),
+                         (["lora.targets=['q proj']"], "'q proj' is not a module name"),
+                         (["lora.targets=['q_proj', 'q_proj']"], "'q_proj' is given twice"),
+                         (["lora.rnk=8"], "did you mean 'lora.rank'")]:
+        with pytest.raises(SettingsError, match=needle):
+            build_settings({}, sets)
+
+
+def test_lora_needs_peft_only_when_on(monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    build_settings({})
+    with pytest.raises(SettingsError, match="lora.rank: LoRA needs the peft package: pip install peft"):
+        build_settings({}, ["lora.rank=8"])

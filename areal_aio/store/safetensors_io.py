@@ -65,14 +65,20 @@ def out_dtype(tensor: Any, dtype: Any) -> Any:
     return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
-def _as_bytes(tensor: Any) -> memoryview:
+def as_bytes(tensor: Any) -> memoryview:
     """The raw bytes of a contiguous CPU tensor (no copy)."""
     import torch
 
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def write_safetensors(path: Path, state: dict[str, Any], dtype: Any, metadata: dict[str, str]) -> None:
+def write_safetensors(path: Path, state: dict[str, Any], dtype: Any, metadata: dict[str, str],
+                      transform: Any = None) -> None:
+    """`state`'s tensors as one safetensors file (floating ones cast to `dtype` unless None).
+
+    `transform(name, tensor)`, when given, returns the tensor written in that one's place (same
+    shape and dtype), computed one tensor at a time while the bytes are written: a merged LoRA
+    export (workers/lora.py) never holds a merged copy of the whole model."""
     import torch
 
     codes = {getattr(torch, v): k for k, v in _DTYPES.items()}
@@ -90,6 +96,11 @@ def write_safetensors(path: Path, state: dict[str, Any], dtype: Any, metadata: d
     scratch = None
     with open(path, "wb", buffering=0) as fh:
         fh.write(struct.pack("<Q", len(raw)) + raw)
+        if transform is not None:
+            for name, t in state.items():
+                out = transform(name, t)
+                _write_all(fh, as_bytes(out.to(out_dtype(t, dtype)).contiguous().cpu()))
+            return
         if _gpu_staged(state.values(), dtype, header):
             # every tensor on the GPU: queue all device-to-host copies into one page-locked
             # buffer, wait once, write it in one go (not a synchronous copy per tensor)
@@ -99,15 +110,15 @@ def write_safetensors(path: Path, state: dict[str, Any], dtype: Any, metadata: d
                 out = out_dtype(t, dtype)
                 staging[begin:end].view(out).view(t.shape).copy_(t.detach().to(out), non_blocking=True)
             torch.cuda.synchronize()
-            _write_all(fh, _as_bytes(staging))
+            _write_all(fh, as_bytes(staging))
             return
         for t in state.values():
             out = out_dtype(t, dtype)
             if out == t.dtype:
-                _write_all(fh, _as_bytes(t.contiguous().cpu()))
+                _write_all(fh, as_bytes(t.contiguous().cpu()))
                 continue
             if t.device.type != "cpu":
-                _write_all(fh, _as_bytes(t.to(out).contiguous().cpu()))
+                _write_all(fh, as_bytes(t.to(out).contiguous().cpu()))
                 continue
             flat = t.reshape(-1)  # a view when contiguous
             if scratch is None or scratch.dtype != out:
@@ -116,7 +127,7 @@ def write_safetensors(path: Path, state: dict[str, Any], dtype: Any, metadata: d
                 piece = flat[lo:lo + CAST_CHUNK]
                 part = scratch[:piece.numel()]
                 part.copy_(piece)  # the cast, into a cache-sized buffer reused for every piece
-                _write_all(fh, _as_bytes(part))
+                _write_all(fh, as_bytes(part))
 
 
 def _write_all(fh: Any, data: memoryview) -> None:
@@ -193,15 +204,29 @@ def load_weights(model: Any, path: str | Path) -> float:
                 dest = params[name]
                 if (dest.dtype == file_dtype and dest.device.type == "cpu" and dest.is_contiguous()
                         and dest.numel() * dest.element_size() == end - begin):
-                    _read_into(fh, _as_bytes(dest))
+                    _read_into(fh, as_bytes(dest))
                 else:
                     buf = torch.empty(info["shape"], dtype=file_dtype)
                     if buf.numel() * buf.element_size() != end - begin:
                         raise WeightStoreError(f"{path}: {name}: offsets do not match its shape")
-                    _read_into(fh, _as_bytes(buf))
+                    _read_into(fh, as_bytes(buf))
                     dest.copy_(buf)
                 pos = end
     return time.perf_counter() - t0
+
+
+def read_tensors(path: str | Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """(every tensor, the header's metadata) of a small safetensors file (a LoRA adapter): fresh
+    CPU tensors, not read into a model."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            return {name: fh.get_tensor(name) for name in fh.keys()}, dict(fh.metadata() or {})
+    except FileNotFoundError:
+        raise WeightStoreError(f"{path}: no such weight version") from None
+    except (SafetensorError, OSError) as exc:
+        raise WeightStoreError(f"{path}: unreadable safetensors file ({exc})") from None
 
 
 def _is_tied(model: Any, name: str) -> bool:
@@ -251,7 +276,7 @@ def _load_staged(fh: Any, path: Path, order: list[tuple[str, dict]], params: dic
 
     end = max((info["data_offsets"][1] for _, info in order), default=0)
     staging = _pinned("load", end)
-    _read_into(fh, _as_bytes(staging))
+    _read_into(fh, as_bytes(staging))
     with torch.no_grad():
         for name, info in order:
             begin, stop = info["data_offsets"]

@@ -2,7 +2,8 @@
 
     /dev/shm/areal_aio/<run>/            one folder per run, private to it
         owner.pid                        the controller's pid (dead owner -> swept at next start)
-        v<N>.safetensors                 policy version N; written as .v<N>.tmp, then renamed,
+        v<N>.safetensors                 policy version N (the whole policy, or a LoRA run's
+                                         adapter alone); written as .v<N>.tmp, then renamed,
                                          so a reader never sees half a file
 
 The trainer publishes (`publish`), a Ray rollout actor on another node stores the bytes it was
@@ -127,14 +128,17 @@ class WeightStore:
         `dtype` (a torch dtype) casts floating tensors on the way out, in small pieces
         through one scratch buffer, so a bf16 copy of the whole model is never allocated.
         """
-        from areal_aio.store.safetensors_io import (
-            HEADER_ROOM,
-            out_dtype,
-            unique_state,
-            write_safetensors,
-        )
+        from areal_aio.store.safetensors_io import unique_state
 
-        state = unique_state(model)
+        return self.publish_state(unique_state(model), version, dtype)
+
+    def publish_state(self, state: dict[str, Any], version: int, dtype: Any = None,
+                      metadata: dict[str, str] | None = None) -> Path:
+        """Write the tensors of `state` (name -> tensor) as v<version>.safetensors atomically, as
+        `publish` does for a whole model (a LoRA version is its adapter alone: workers/lora.py);
+        `metadata` joins {"version": ...} in the file's header."""
+        from areal_aio.store.safetensors_io import HEADER_ROOM, out_dtype, write_safetensors
+
         need = HEADER_ROOM + sum(t.numel() * out_dtype(t, dtype).itemsize for t in state.values())
         free = shutil.disk_usage(self.root).free
         if need > free:
@@ -143,7 +147,7 @@ class WeightStore:
         final = self.path(version)
         tmp = self.root / f".v{version}.tmp"
         try:
-            write_safetensors(tmp, state, dtype, {"version": str(version)})
+            write_safetensors(tmp, state, dtype, {**(metadata or {}), "version": str(version)})
             os.replace(tmp, final)
         except BaseException as exc:
             tmp.unlink(missing_ok=True)

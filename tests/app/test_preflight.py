@@ -41,6 +41,9 @@ def files(tmp_path, monkeypatch):
     Path("latin1.jsonl").write_bytes('{"prompt": "caf\xe9", "answer": "1"}\n'.encode("latin-1"))
     Path("afile").write_text("x")
     (tmp_path / "folder").mkdir()
+    for name, config in (("adapter", '{"base_model_name_or_path": "./no/base"}'), ("adapter-nobase", "{}")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(config)
     return tmp_path
 
 
@@ -59,6 +62,8 @@ def files(tmp_path, monkeypatch):
     (["model.path=/no/such/folder"], "model.path: no such folder '/no/such/folder'"),
     (["model.path=folder"], "model.path: 'folder' has no config.json"),
     (["model.path=afile"], "model.path: 'afile' is a file"),
+    (["model.path=adapter"], "model.path (the base of adapter 'adapter'): no such folder './no/base'"),
+    (["model.path=adapter-nobase"], "model.path: 'adapter-nobase' is an adapter folder whose base cannot be read"),
     (["model.path=org/model"], "model.path: 'org/model' is not a folder here and not in the local "
                                "Hugging Face cache, and http://127.0.0.1:9 is not reachable"),
     (["trainer.lr=inf"], "trainer.lr: expected a finite number (> 0), got inf"),
@@ -186,3 +191,13 @@ def test_check_resolves_task_reward_and_the_columns_it_needs(files, capsys, monk
         assert main(check(*sets)) == 2, sets
         err = capsys.readouterr().err
         assert err.startswith(f"settings error: {needle}") and err.count("\n") == 1, err
+
+
+@pytest.mark.slow
+def test_check_names_a_lora_target_the_model_lacks(files, capsys):
+    """Asked of the model in a subprocess (torch is never imported by check itself)."""
+    sets = ("model.path=embedded:tiny-random", "lora.rank=4", "lora.targets=['q_proj', 'qkv_proj']")
+    assert main(check(*sets)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("settings error: lora.targets: 'qkv_proj' is not a linear layer of embedded:tiny-random"), err
+    assert main(check(*sets[:2], "lora.targets=['q_proj']")) == 0

@@ -182,3 +182,18 @@ def test_a_sync_run_resumed_on_other_devices_shares_the_cores_again(monkeypatch)
     areal = settings_module.load_settings(None, ["rollout.threads=1"])
     ckpt = checkpoint.Checkpoint(Path("ckpt"), 1, 1, {"settings": areal.to_dict()})
     assert checkpoint.resume_settings(ckpt, ["rollout.devices=2"]).rollout.threads == 1  # no preset there
+
+
+def test_lora_keys_are_not_resumable_and_a_checkpoint_older_than_them_trained_without_lora() -> None:
+    from areal_aio import settings as settings_module
+
+    s = settings_module.load_settings(None, [])
+    old = s.to_dict()
+    del old["lora"]  # a checkpoint written before the [lora] section existed
+    ckpt = checkpoint.Checkpoint(Path("ckpt"), 1, 1, {"settings": old})
+    checkpoint.check_compatible(ckpt, s)
+    assert checkpoint.resume_settings(ckpt, ["run.max_steps=9"]).lora.rank == 0
+    with pytest.raises(CheckpointError, match="lora.rank is 8, the checkpoint was trained with 0"):
+        checkpoint.check_compatible(ckpt, settings_module.load_settings(None, ["lora.rank=8"]))
+    with pytest.raises(CheckpointError, match="--set lora.rank: cannot change on resume"):
+        checkpoint.resume_settings(ckpt, ["lora.rank=8"])

@@ -280,3 +280,19 @@ def test_an_orphaned_worker_removes_its_store_also_when_a_sweep_took_owner_pid(t
         remove_orphaned_store(str(folder), dead)
         # gone when owner.pid is missing or names the dead controller; another owner's stays
         assert folder.exists() == kept, owner
+
+
+def test_publish_state_writes_any_tensors_with_their_metadata(tmp_path) -> None:
+    from areal_aio.store.safetensors_io import read_tensors
+
+    state = {"a.lora_A.weight": torch.arange(6.0).view(2, 3), "a.lora_B.weight": torch.ones(4, 2)}
+    path = WeightStore(tmp_path).publish_state(state, 5, metadata={"format": "lora", "version": "x"})
+    assert path == tmp_path / "v5.safetensors" and not list(tmp_path.glob(".*tmp"))
+    tensors, meta = read_tensors(path)
+    assert meta == {"format": "lora", "version": "5"}  # the version is the store's
+    assert tensors.keys() == state.keys() and all(torch.equal(tensors[k], v) for k, v in state.items())
+    with pytest.raises(WeightStoreError, match="no such weight version"):
+        read_tensors(tmp_path / "v6.safetensors")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(WeightStoreError, match="unreadable safetensors file"):
+        read_tensors(tmp_path / "bad.safetensors")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,12 +246,16 @@ class Engine:
     """Continuous batching with per-token logprobs and versions, and weight swaps mid-sequence."""
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch: int = 32, version: int = 0,
-                 seed: int = 0, look_every_step: bool | None = None) -> None:
+                 seed: int = 0, look_every_step: bool | None = None,
+                 load: Callable[[Any, str], float] = load_weights) -> None:
         """`look_every_step`: read the sampled tokens after every decode step, so finished rows
         leave the batch at once (default: on a CPU, where the read is free and a finished row's
         compute is not); else only when a waiting request may take a freed slot, at a row's
-        length limit and at the end of `advance` (see there)."""
+        length limit and at the end of `advance` (see there). `load(model, path) -> seconds`
+        puts a published version into the model: the whole weights (default), or a LoRA run's
+        adapter (workers/lora.py handoff)."""
         self.model = model
+        self.load = load
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.version = version
@@ -524,7 +529,7 @@ class Engine:
         Returns the WeightsLoaded reply and any rows that finished on the token sampled right
         after the rebuild. Queued requests need nothing: they start on the new weights.
         """
-        load_s = load_weights(self.model, path)
+        load_s = self.load(self.model, path)
         self.version = version
         self.prefixes.clear()  # computed with the old weights
         seqs = self.batch.seqs

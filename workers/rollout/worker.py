@@ -6,7 +6,9 @@
             Generate      -> engine.add (prompt, or a chat's messages, through the chat template, then
                              any reply prefix)
             Abort         -> engine.abort -> Completion(finish="abort"); unknown ids ignored
-            UpdateWeights -> pending (a newer one supersedes an older one not yet loaded)
+            UpdateWeights -> pending (a newer one supersedes an older one not yet loaded); the
+                             file is the whole policy, or with lora.rank > 0 an adapter, merged
+                             into the base or read into peft's layers (lora.merge; workers/lora.py)
             Shutdown, EOF -> return
         pending weights:
             interrupt on  -> load now (we are at a chunk boundary), rebuild KV, WeightsLoaded
@@ -27,6 +29,8 @@ from typing import Any
 
 from areal_aio import wire
 from areal_aio.settings import Settings
+from areal_aio.store.safetensors_io import load_weights
+from areal_aio.workers import lora
 from areal_aio.workers.common import EOF, Channel, configure_torch, serve
 from areal_aio.workers.models import encode_prompt, load_model
 from areal_aio.workers.rollout.engine import Engine, Request
@@ -51,7 +55,9 @@ class RolloutWorker:
         configure_torch(self.device, ro.threads)
         model, self.tokenizer = load_model(s.model.path, seed=s.run.seed, dtype=ro.dtype,
                                            device=self.device)
-        self.engine = Engine(model, self.tokenizer, max_batch=ro.max_batch, seed=s.run.seed)
+        # a LoRA run's versions are adapters, applied to this worker's own copy of the base
+        load = lora.handoff(s.lora, s.model.path) if s.lora.rank else load_weights
+        self.engine = Engine(model, self.tokenizer, max_batch=ro.max_batch, seed=s.run.seed, load=load)
         self.pending: wire.UpdateWeights | None = None
 
     def run(self, channel: Channel) -> None:

@@ -167,7 +167,9 @@ class _TokenLogprobs(torch.autograd.Function):
         acc = lse.dtype
         h, w = hidden.to(dt), weight.to(dt)
         grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        # a frozen head (LoRA) needs no [V, H] gradient: half the backward's head work
+        want_w = ctx.needs_input_grad[1]
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         g_logp = g_logp.to(acc)
         for lo in range(0, hidden.shape[0], chunk):
             hi = min(hidden.shape[0], lo + chunk)
@@ -178,8 +180,10 @@ class _TokenLogprobs(torch.autograd.Function):
             gz.scatter_add_(1, targets[lo:hi, None], g[:, None])
             gz.div_(t)
             grad_h[lo:hi] = (gz.to(dt) @ w).to(acc)  # [c, H]
-            grad_w += (gz.T.to(dt) @ h[lo:hi]).to(acc)  # [V, H]
-        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None
+            if want_w:
+                grad_w += (gz.T.to(dt) @ h[lo:hi]).to(acc)  # [V, H]
+        return (grad_h.to(hidden.dtype), grad_w.to(weight.dtype) if want_w else None,
+                None, None, None)
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -189,7 +193,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 
     The same numbers as log_softmax over full logits, without a [T, V] tensor for the
     whole micro-batch; the matmuls run in `compute_dtype` (bf16 under autocast), the
-    softmax in fp32. Gradients flow to hidden and weight.
+    softmax in fp32. Gradients flow to hidden and, unless it is frozen, weight.
     """
     return _TokenLogprobs.apply(hidden, weight, targets, float(temperature), compute_dtype)
 

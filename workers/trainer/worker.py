@@ -13,6 +13,10 @@
       v  publish v<version+1> in the rollout dtype, version += 1
     Trained(step, version + 1, path, stats)
 
+With lora.rank > 0 (workers/lora.py) the base is frozen and peft's LoRA layers sit in the
+model: the same passes, gradients and AdamW state on lora_A / lora_B only (the all-reduce of
+several ranks too), and v<version+1> is the adapter alone.
+
 With several ranks (trainer.devices; workers/trainer/data_parallel.py) every rank plans the whole
 batch, forwards its share of each mini-batch's micro-batches, and the gradients are summed
 before the clip; the stats are of the whole batch (summed, min and max over the ranks);
@@ -69,6 +73,7 @@ import torch
 from areal_aio import wire
 from areal_aio.settings import SFT, Settings, TrainerSettings
 from areal_aio.store.weights import WeightStore
+from areal_aio.workers import lora
 from areal_aio.workers.common import EOF, Channel, configure_torch, serve
 from areal_aio.workers.models import load_model
 from areal_aio.workers.trainer import checkpoint, losses
@@ -171,13 +176,26 @@ class Trainer:
         self.model.config.use_cache = False
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.pad_id = int(pad) if pad is not None else 0
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.spec, self.seed = settings.model.path, settings.run.seed
+        # LoRA (workers/lora.py): the base frozen, peft's layers injected in place; the adapter
+        # alone gets gradients, AdamW state, the ranks' all-reduce, and is what is published
+        self.lora = settings.lora if settings.lora.rank else None
+        self._base_identity: dict[str, str] | None = None
+        if self.lora is not None:
+            self.params = lora.attach(self.model, self.lora, self.spec)
+        else:
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.ranks = ranks or Ranks()
         self.ranks.broadcast(self.params)  # one set of weights, whatever each rank loaded
         self.opt = _adamw(self.params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        # kl_ref = "ref": a frozen copy of v0; with LoRA v0 is the base itself (B starts at 0),
+        # so the reference pass turns the adapter off instead of copying the model
+        self.use_ref = self.cfg.kl_coef > 0 and self.cfg.kl_ref == "ref"
         self.ref = None
-        if self.cfg.kl_coef > 0 and self.cfg.kl_ref == "ref":
+        if self.use_ref and self.lora is None:
             self.ref = copy.deepcopy(self.model).requires_grad_(False)  # frozen v0
+        # lora.dropout: on in the gradient passes only, so pi_prox needs a no-grad pass of its own
+        self.dropout = self.lora is not None and self.lora.dropout > 0
         if not Path(shm_dir).is_dir():
             raise FileNotFoundError(f"trainer: weight store folder {shm_dir} does not exist "
                                     "(the controller creates it before Init)")
@@ -266,6 +284,27 @@ class Trainer:
             logp, _ = self._forward(self.model if model is None else model, mb)
         return logp.float()
 
+    def ref_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """log pi_ref(token) [T]: the frozen v0 (with LoRA: the base, the adapter turned off)."""
+        if self.lora is None:
+            return self.logprobs(mb, self.ref)
+        with lora.adapters_off(self.model):
+            return self.logprobs(mb)
+
+    def base_identity(self) -> dict[str, str]:
+        """A LoRA run's base: model.path and the sha256 of its weights (computed once: frozen)."""
+        if self._base_identity is None:
+            self._base_identity = lora.base_identity(self.model, self.spec)
+        return self._base_identity
+
+    def publish(self, version: int) -> Path:
+        """This policy as v<version> in the weight store: the whole model in the rollout dtype,
+        or with LoRA the adapter alone (fp32: the rollout merges in fp32, workers/lora.py)."""
+        if self.lora is not None:
+            return self.store.publish_state(lora.adapter_state(self.model), version,
+                                            metadata=lora.metadata(self.lora))
+        return self.store.publish(self.model, version, dtype=self.publish_dtype)
+
     # ---- one update ----------------------------------------------------------------------
 
     def _micro_batches(self, samples: list[wire.TrainSample], lo: int, hi: int,
@@ -292,7 +331,7 @@ class Trainer:
 
         t_pub = time.perf_counter()
         publish = msg.publish and self.ranks.rank == 0
-        path = self.store.publish(self.model, self.version + 1, dtype=self.publish_dtype) if publish else ""
+        path = self.publish(self.version + 1) if publish else ""
         self.version += 1
         out.update(seconds=time.perf_counter() - t0, publish_s=time.perf_counter() - t_pub)
         if objective == SFT:  # ratios, weights and rewards mean nothing here
@@ -316,14 +355,14 @@ class Trainer:
         ref: dict[int, torch.Tensor] = {}
         for k, mini in enumerate(mine):
             for mb in mini:
-                if k > 0:
+                if k > 0 or self.dropout:
                     prox[id(mb)] = self.logprobs(mb)
-                if self.ref is not None:
-                    ref[id(mb)] = self.logprobs(mb, self.ref)
+                if self.use_ref:
+                    ref[id(mb)] = self.ref_logprobs(mb)
         prox_s = time.perf_counter() - t_prox
 
         def token_loss(k: int, mb: MicroBatch, logp: torch.Tensor) -> tuple:
-            if k == 0:  # no step taken yet: this forward is pi_prox
+            if k == 0 and not self.dropout:  # no step taken yet: this forward is pi_prox
                 prox[id(mb)] = logp.detach().float()
             tok_loss, st = losses.token_loss(
                 logp, mb.behav, prox[id(mb)], mb.adv, objective=objective,
@@ -331,7 +370,7 @@ class Trainer:
                 behav_cap=cfg.behav_cap, cap_mode=cfg.cap_mode)
             kl = None
             if cfg.kl_coef > 0:
-                kl = losses.k3_kl(logp, ref[id(mb)] if self.ref is not None else mb.behav)
+                kl = losses.k3_kl(logp, ref[id(mb)] if self.use_ref else mb.behav)
                 tok_loss = tok_loss + cfg.kl_coef * kl
             return tok_loss, st, kl
 
@@ -392,7 +431,7 @@ class Trainer:
             for mb in own:
                 if mb.tokens == 0:
                     continue
-                with self._autocast():
+                with self._autocast(), lora.dropout_on(self.model, self.dropout):
                     logp, entropy = self._forward(self.model, mb, temperature=temperature)  # [T], [T]
                 tok_loss, st, kl = token_loss(k, mb, logp)
                 loss = tok_loss.sum() / total  # token-level aggregation over the mini-batch
@@ -476,7 +515,7 @@ class Trainer:
         checkpoint.load_state(self, Path(folder))
         if self.ranks.rank != 0:
             return None
-        return self.store.publish(self.model, self.version, dtype=self.publish_dtype)
+        return self.publish(self.version)
 
     # ---- process loop --------------------------------------------------------------------
 

@@ -217,3 +217,17 @@ def test_token_logprobs_bf16_compute_is_close_and_grads_keep_their_dtype() -> No
     assert logp.dtype == torch.float32 and torch.allclose(logp, ref, atol=0.1)
     logp.sum().backward()
     assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+
+
+def test_token_logprobs_of_a_frozen_head_give_the_same_hidden_gradient_and_none_for_it() -> None:
+    """A LoRA run's head (the tied embedding) is frozen: no [V, H] gradient is computed for it."""
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(7, 5, generator=gen, dtype=torch.float64)
+    w = torch.randn(11, 5, generator=gen, dtype=torch.float64)
+    targets = torch.randint(11, (7,), generator=gen)
+    grads = []
+    for trainable in (True, False):
+        hidden, head = h.clone().requires_grad_(), w.clone().requires_grad_(trainable)
+        losses.token_logprobs(hidden, head, targets, 0.7)[0].sum().backward()
+        grads.append((hidden.grad, head.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and grads[0][1] is not None and grads[1][1] is None
