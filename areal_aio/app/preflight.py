@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from areal_aio.settings import Settings, SettingsError
+from areal_aio.settings import CODE_REWARD, CODE_TASKS, Settings, SettingsError
 
 R = TypeVar("R")
 
@@ -115,6 +115,12 @@ def check_reward(settings: Settings, rows: list[Task] | None) -> None:
         check_columns(load_rewards(settings.task), rows)
     except SettingsError as exc:
         raise PreflightError(str(exc)) from None
+    answer = settings.task.reward == "answer" or (isinstance(settings.task.reward, list) and any(
+        (part.get("fn") if isinstance(part, dict) else part) == "answer" for part in settings.task.reward))
+    coded = next((t for t in rows or () if "tests" in t.extra), None)
+    if answer and coded is not None and settings.task.name not in CODE_TASKS:
+        raise PreflightError(f"task.reward: task {coded.id!r} has tests, which the built-in \"answer\" reward "
+                             f"ignores; give task.reward = \"{CODE_REWARD}\" to run them")
 
 
 def check_out(folder: Path, key: str) -> None:

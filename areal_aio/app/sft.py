@@ -46,7 +46,7 @@ from areal_aio import wire
 from areal_aio.app.preflight import PreflightError, preflight, read_checked
 from areal_aio.control.evaluation import greedy_completions, rates, sample_rows, score
 from areal_aio.rewards.scoring import AnswerReward, Scorer
-from areal_aio.settings import SFT, Settings, SettingsError, load_settings
+from areal_aio.settings import CODE_TASKS, SFT, Settings, SettingsError, load_settings
 from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION
 from areal_aio.tasks.files import jsonl_rows
 from areal_aio.tasks.sources import eval_tasks, training_tasks
@@ -114,8 +114,11 @@ def generated_pairs(settings: Settings) -> Iterator[Pair]:
         for it in chain_items(settings.task, settings.run.seed):
             yield Pair(f"{it.question} {STEP_INSTRUCTION}", it.solution)
     elif name == "arithmetic":
-        for task in training_tasks(settings):
+        for task in training_tasks(settings, in_loop=False):
             yield Pair(task.prompt, f"<answer>{task.answer}</answer>")
+    elif name in CODE_TASKS:  # the problem's reference solution, in the fence the prompt asks for
+        for task in training_tasks(settings, in_loop=False):
+            yield Pair(task.prompt, f"```python\n{task.answer.strip()}\n```")
     else:
         raise ValueError(f"sft.data = generated: task {name!r} has no reference replies; give sft.data "
                          f"a JSONL file of {{prompt, completion}} rows")

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_aio.rewards.pool import RewardPool, RewardPoolBroken
-from areal_aio.settings import SettingsError, TaskSettings, reward_parts
+from areal_aio.settings import CODE_REWARD, CODE_TASKS, SettingsError, TaskSettings, reward_parts
 from areal_aio.tasks.task import Task
 
 KEY = "task.reward"
@@ -306,6 +306,8 @@ def load_rewards(task: TaskSettings) -> Reward | list[Reward]:
 
 
 def _load(name: str, spec: str, weight: float, task: TaskSettings) -> Reward:
+    if spec == "answer" and task.name in CODE_TASKS:
+        spec = CODE_REWARD
     if spec == "answer":
         return Reward(name, AnswerReward(task.format_bonus), weight)
     fn = import_reward(spec)

@@ -28,7 +28,7 @@ COLUMNS = ("id", "prompt", "messages", "answer")
 
 
 EXPECTED = ("expected an object with a prompt string (or a messages list) and an answer "
-            "(string or number)")
+            "(string or number), or tests for a code task")
 
 
 def jsonl_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
@@ -115,7 +115,7 @@ def task_from_row(row: Any, number: int, where: str) -> Task:
     except TypeError as exc:
         raise ValueError(f"{where}: a column holds a value that is not JSON data ({exc})") from None
     return Task(id=str(row["id"]) if row.get("id") is not None else str(number), prompt=prompt,
-                answer=str(row["answer"]), extra=extra)
+                answer=str(row.get("answer", "")), extra=extra)
 
 
 def _row_problem(row: object) -> str:
@@ -131,6 +131,13 @@ def _row_problem(row: object) -> str:
             return problem
     elif key == "messages" or not isinstance(prompt, str) or not prompt.strip():
         return "no prompt" if key not in row else f"{key} is {prompt!r}"
+    if "tests" in row:  # a code task: judged by its tests (rewards/code.py), an answer optional
+        from areal_aio.tasks.code import tests_problem
+
+        if problem := tests_problem(row["tests"], row.get("entry_point")):
+            return problem
+        if "answer" not in row:
+            return ""
     answer = row.get("answer")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         return "no answer" if "answer" not in row else f"answer is {answer!r}"

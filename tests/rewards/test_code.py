@@ -1,0 +1,199 @@
+"""The code reward: programs are judged on their outputs, in this process, against values that
+never entered the sandbox; the tricks that fool a sentinel- or assert-based judge score 0."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from areal_aio.rewards import code, sandbox
+from areal_aio.rewards.code import decode, encode, extract_program, reward, same
+from areal_aio.rewards.scoring import Score, reward_columns
+from areal_aio.tasks.task import Task
+
+ADD_TESTS = [{"args": [1, 2], "output": 3}, {"args": [10, -4], "output": 6}, {"kwargs": {"a": 0, "b": 0}, "output": 0}]
+ADD = Task("add", "Write add(a, b).", "", {"tests": ADD_TESTS, "entry_point": "add", "timeout_s": 2.0})
+CHECK = ("def check(candidate):\n"
+         "    assert candidate(1, 2) == 3\n"
+         "    assert candidate(10, -4) == 6, 'message'\n"
+         "    assert abs(candidate(0.5, 0.25) - 0.75) < 1e-9\n")
+ADD_CHECK = Task("add-check", "Write add(a, b).", "", {"tests": CHECK, "entry_point": "add", "timeout_s": 2.0})
+
+
+def score(task: Task, completion: str) -> Score:
+    return reward(task, completion, **task.extra)
+
+
+def fenced(body: str) -> str:
+    return f"Here it is:\n```python\n{body}\n```\nDone."
+
+
+# ----------------------------------------------------------------------- the pieces
+
+
+def test_the_program_is_the_last_python_block_else_the_text():
+    assert extract_program("```python\na = 1\n```\ntext\n```python\nb = 2\n```") == ("b = 2\n", True)
+    assert extract_program("```\nc = 3\n```") == ("c = 3\n", True)
+    assert extract_program("```python\nd = 4\n")[0] == "d = 4\n"  # cut at max_new_tokens
+    assert extract_program("def f(): return 1") == ("def f(): return 1", False)
+
+
+def test_values_round_trip_and_keep_their_types():
+    for value in [None, True, 3, -2.5, "s", [1, (2, 3)], {"a": {1: {2}}}, frozenset({1}), b"\x00", 1 + 2j,
+                  {(1, 2): [None]}]:
+        assert decode(encode(value)) == value and type(decode(encode(value))) is type(value)
+    assert math.isnan(decode(encode(float("nan"))))
+
+
+def test_only_plain_values_encode():
+    class AlwaysEqual:
+        def __eq__(self, other):
+            return True
+
+    class SneakyInt(int):
+        pass
+
+    for value in [AlwaysEqual(), SneakyInt(3), [AlwaysEqual()], object(), 10 ** 5000, print]:
+        with pytest.raises((TypeError, ValueError)):
+            encode(value)
+
+
+@pytest.mark.parametrize("forged", [{"a": 1, "b": 2}, {"$eval": "1"}, {"$dict": [[[1], 2]]}, {"$float": "1e999"},
+                                    {"$tuple": "ab"}, {"$set": [[1]]}])
+def test_decode_rejects_what_encode_never_writes(forged):
+    with pytest.raises(ValueError):
+        decode(forged)
+
+
+def test_same_is_json_equality_with_a_float_tolerance():
+    assert same(3, 3) and same(0.1 + 0.2, 0.3) and same([1, {"a": 2.0}], [1, {"a": 2}])
+    assert not same(True, 1) and not same(1, True) and not same(None, 0) and not same("1", 1)
+    assert not same([1, 2], [1, 2, 3]) and not same({"a": 1}, {"a": 1, "b": 2}) and not same({1}, [1])
+
+
+def test_the_reward_names_its_columns_for_the_loader():
+    columns, required = reward_columns("areal_aio.rewards.code:reward", reward)
+    assert columns is None and required == ("tests",)
+
+
+# --------------------------------------------------------------------- function tests
+
+
+def test_a_correct_function_passes_and_a_wrong_one_does_not():
+    assert score(ADD, fenced("def add(a, b):\n    return a + b")) == Score(1.0, True, True)
+    assert score(ADD, "def add(a, b):\n    return a + b") == Score(1.0, True, False)
+    assert score(ADD, fenced("def add(a, b):\n    return a - b")) == Score(0.0, False)
+    assert score(ADD, fenced("def add(a, b):\n    return 3")) == Score(0.0, False)
+    assert score(ADD, fenced("def add(a, b) return")) == Score(0.0, False)
+    assert score(ADD, fenced("def plus(a, b):\n    return a + b")) == Score(0.0, False)
+
+
+def test_a_tuple_is_a_list_and_floats_are_close():
+    task = Task("t", "", "", {"tests": [{"args": [2], "output": [0.5, 1]}], "entry_point": "f"})
+    assert score(task, "def f(x):\n    return (1 / x, 1.0000000001)").passed
+
+
+@pytest.mark.parametrize("body", [
+    "import sys\nsys.exit(0)\ndef add(a, b):\n    return a + b",  # exits before the tests
+    "import os\ndef add(a, b):\n    os._exit(0)",  # exits during them
+    "def add(a, b):\n    print('ALL TESTS PASSED')\n    raise SystemExit(0)",  # a sentinel
+    "class Eq:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
+    "def add(a, b):\n    return Eq()",  # the always-equal object
+    "class Eq(int):\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Eq(0)",
+    "import os\nfor i in range(3):\n    print('{\"i\": %d, \"value\": 3}' % i)\ndef add(a, b):\n    return None",
+    "import os\nfor i in range(3):\n    os.write(3, b'{\"i\": %d, \"value\": 3}\\n' % i)\n"
+    "def add(a, b):\n    return a + b",  # forged records first: repeated indices fail the run
+    "import os\nos.write(3, b'{\"passed\": true}\\n')\nos._exit(0)",  # a forged verdict
+    "import json\nopen('results.json', 'w').write(json.dumps({'passed': True}))\n"
+    "open('/tmp/results.json', 'w').write('{}')\ndef add(a, b):\n    return None",  # a results file
+    "import os\nos.close(3)\ndef add(a, b):\n    return a + b",  # no channel: no results
+    "while True:\n    pass",
+], ids=["exit-before", "os-exit", "sentinel", "always-equal", "int-subclass-eq", "fake-stdout-frames",
+        "fake-fd3-frames", "fake-verdict", "results-file", "closes-channel", "loop"])
+def test_tricks_score_zero(body):
+    assert score(ADD, fenced(body)) == Score(0.0, False)
+
+
+def test_stdio_tests_compare_lines():
+    task = Task("io", "", "", {"tests": [{"stdin": "2 3\n", "stdout": "5\n"}, {"stdin": "1 1", "stdout": "2"}],
+                               "timeout_s": 2.0})
+    assert score(task, fenced("a, b = map(int, input().split())\nprint(a + b)  ")).passed
+    assert not score(task, fenced("print(5)")).passed
+    assert not score(task, fenced("import time\ntime.sleep(60)")).passed
+
+
+# ------------------------------------------------------------- assert-based test code
+
+
+def test_check_code_passes_a_correct_function_and_fails_a_wrong_one():
+    assert score(ADD_CHECK, fenced("def add(a, b):\n    return a + b")).passed
+    assert not score(ADD_CHECK, fenced("def add(a, b):\n    return a * b")).passed
+    assert not score(ADD_CHECK, fenced("def add(a, b):\n    raise ValueError")).passed
+
+
+def test_the_record_run_never_sees_what_the_asserts_compare_with():
+    module, param = code.check_source(CHECK, "add")
+    stripped = code.strip_asserts(module, param)
+    assert "candidate(1, 2)" in stripped and "== 3" not in stripped and "0.75" not in stripped
+    assert "message" not in stripped
+
+
+@pytest.mark.parametrize("body", [
+    "class Eq:\n    def __eq__(self, other):\n        return True\n    def __sub__(self, other):\n        return self\n"
+    "    def __abs__(self):\n        return 0\n    def __lt__(self, other):\n        return True\n"
+    "def add(a, b):\n    return Eq()",  # passes the original asserts
+    "import sys\ndef add(a, b):\n    consts = sys._getframe(1).f_code.co_consts\n"
+    "    return next((c for c in consts if isinstance(c, int) and c not in (a, b)), 0)",  # reads the test
+    "import os\nos.write(3, b'{\"passed\": true}\\n')\ndef add(a, b):\n    return 0",  # a forged verdict
+    "import os\nos.write(3, b'{\"key\": [[1, 2], {\"$dict\": []}], \"value\": 3}\\n')\nos._exit(0)",  # half forged
+    "import sys\nprint('ALL TESTS PASSED')\nsys.exit(0)\ndef add(a, b):\n    return a + b",
+], ids=["always-equal", "reads-caller", "forged-verdict", "forged-records", "exit-before"])
+def test_tricks_against_check_code_score_zero(body):
+    assert score(ADD_CHECK, fenced(body)) == Score(0.0, False)
+
+
+def test_bare_asserts_calling_the_entry_point_work_too():
+    task = Task("mbpp", "", "", {"tests": "assert add(1, 2) == 3\nassert add(2, 2) == 4", "entry_point": "add"})
+    assert score(task, fenced("def add(a, b):\n    return a + b")).passed
+    assert not score(task, fenced("def add(a, b):\n    return 3")).passed
+
+
+def test_random_inputs_in_a_check_replay_identically():
+    tests = ("import random\ndef check(candidate):\n    for _ in range(20):\n"
+             "        x = random.randint(0, 100)\n        assert candidate(x) == x * 2\n")
+    task = Task("rand", "", "", {"tests": tests, "entry_point": "double"})
+    assert score(task, fenced("import random\ndef double(x):\n    random.random()\n    return 2 * x")).passed
+    assert not score(task, fenced("def double(x):\n    return x + 2")).passed
+
+
+# ------------------------------------------------------------------------ infrastructure
+
+
+def test_a_sandbox_that_cannot_start_is_a_counted_failure_never_a_pass(monkeypatch):
+    monkeypatch.setattr(sandbox, "_layers", sandbox.Layers("/nonexistent/unshare", ("pid",), True))
+    for task in (ADD, ADD_CHECK):
+        assert score(task, fenced("def add(a, b):\n    return a + b")) == Score(0.0, False, failed=True)
+
+
+def test_malformed_tests_are_an_error_not_a_score():
+    with pytest.raises(ValueError):
+        reward(ADD, "x", tests=[{"nothing": 1}])
+    with pytest.raises(ValueError):
+        reward(ADD, "x", tests=ADD_TESTS)  # no entry_point
+
+
+@pytest.mark.slow
+async def test_the_reward_runs_in_the_reward_pool(tmp_path):
+    from areal_aio.rewards.scoring import Scorer, load_rewards
+    from areal_aio.settings import build_settings
+
+    settings = build_settings({"task": {"reward": "areal_aio.rewards.code:reward"}})
+    scorer = Scorer(load_rewards(settings.task), timeout_s=30, procs=1, log_path=tmp_path / "reward.log")
+    try:
+        assert scorer.pool is not None
+        good = await scorer.score(ADD, fenced("def add(a, b):\n    return a + b"))
+        bad = await scorer.score(ADD, fenced("while True:\n    pass"))
+    finally:
+        await scorer.aclose()
+    assert good.passed and good.reward == 1.0 and not bad.passed and not bad.failed
