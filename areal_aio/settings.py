@@ -38,6 +38,9 @@ TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"
 CODE_TASKS = ("code", "humaneval")
 """task.name of the built-in code tasks (tasks/code.py), judged by running the reply's program
 in the sandbox (rewards/code.py, rewards/sandbox.py)."""
+CODE_COLUMNS = ("tests", "entry_point", "prefix")
+"""The columns a generated code task gives its reward (HumanEval's items all three, CodeI/O's
+the first two)."""
 CODE_REWARD = "areal_aio.rewards.code:reward"
 """What task.reward = "answer" means for a code task: every test passes (1) or not (0)."""
 BUILTIN_REWARDS = ("answer",)

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from areal_aio.settings import CODE_REWARD, CODE_TASKS, Settings, SettingsError
+from areal_aio.settings import CODE_COLUMNS, CODE_REWARD, CODE_TASKS, Settings, SettingsError
 
 R = TypeVar("R")
 
@@ -112,7 +112,8 @@ def check_reward(settings: Settings, rows: list[Task] | None) -> None:
     from areal_aio.rewards.scoring import check_columns, load_rewards
 
     try:
-        check_columns(load_rewards(settings.task), rows)
+        check_columns(load_rewards(settings.task), rows,
+                      CODE_COLUMNS if settings.task.name in CODE_TASKS else ())
     except SettingsError as exc:
         raise PreflightError(str(exc)) from None
     answer = settings.task.reward == "answer" or (isinstance(settings.task.reward, list) and any(

@@ -369,13 +369,18 @@ def reward_columns(spec: str, fn: Callable[..., Any]) -> tuple[tuple[str, ...] |
     return columns, required
 
 
-def check_columns(rewards: Reward | list[Reward], tasks: list[Task] | None) -> None:
-    """Every column a reward requires is in every task row (generated tasks have none)."""
+def check_columns(rewards: Reward | list[Reward], tasks: list[Task] | None,
+                  generated: tuple[str, ...] = ()) -> None:
+    """Every column a reward requires is in every task row; `generated`: the columns generated
+    tasks (tasks None) give (none for arithmetic and chain, CODE_COLUMNS for code tasks)."""
     for r in rewards if isinstance(rewards, list) else [rewards]:
         for column in r.required:
+            if tasks is None and column in generated:
+                continue
             if tasks is None:
+                given = f"columns {', '.join(generated)}" if generated else "no columns"
                 raise SettingsError(f"{KEY}: {r.name!r} requires a {column!r} argument, and generated "
-                                    f"tasks have no columns beyond prompt and answer")
+                                    f"tasks have {given} beyond prompt and answer")
             lacking = next((t for t in tasks if column not in t.extra), None)
             if lacking is not None:
                 have = ", ".join(sorted(lacking.extra)) or "none"

@@ -89,6 +89,15 @@ def test_run_checks_its_out_folder_before_starting(files, capsys):
     assert main(["run", SETTINGS, "--out", "afile/run"]) == 2
 
 
+@pytest.mark.parametrize("name", ["code", "humaneval"])
+def test_generated_code_tasks_give_the_code_reward_its_columns(files, capsys, name):
+    assert main(check(f"task.name={name}")) == 0, capsys.readouterr().err
+    Path("column_rewards.py").write_text("def needs_grade(task, completion, grade):\n    return 0.0\n")
+    assert main(check(f"task.name={name}", "task.reward=column_rewards:needs_grade")) == 2
+    assert "requires a 'grade' argument, and generated tasks have columns tests, entry_point, prefix" \
+        in capsys.readouterr().err
+
+
 def test_a_file_of_code_tasks_passes_with_the_code_reward(files, capsys):
     assert main(check("task.name=jsonl", "task.path=code.jsonl", "task.reward=areal_aio.rewards.code:reward")) == 0
 
