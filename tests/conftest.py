@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -218,3 +219,13 @@ def need(package: str) -> Any:
         if os.environ.get("CI"):
             pytest.fail(f"{package} is not installed: pip install -e '.[dev]' installs it", pytrace=False)
         pytest.skip(f"{package} is not installed")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread, as each worker has in a run (rollout.threads, trainer.threads): two
+    threads on a shared 2-core machine only fight. Modules of worker tests ask for it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -34,7 +34,6 @@ from typing import Any
 import orjson
 from matplotlib.figure import Figure
 
-FIGURES = ("eval", "training", "staleness", "timeline", "queues")
 TRAINING_PANELS = (("reward_mean", "reward (mean of the batch)"), ("entropy", "entropy (per token)"),
                    ("loss", "loss"))
 QUEUES = ("in_flight", "replay_groups", "pending_groups")

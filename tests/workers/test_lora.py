@@ -40,13 +40,7 @@ TARGETS = "lora.targets=['q_proj', 'down_proj']"
 LR = 1e-2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Each worker gets one core in a run; two threads on a shared 2-core box only fight."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from areal_aio.store.weights import WeightStore
 from areal_aio.workers.models import TINY, encode_prompt, load_model
 from tests.conftest import ROOT as REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 REPLY_TIMEOUT_S = 120.0
@@ -110,15 +110,6 @@ def spawn(tmp_path):
     yield start
     for worker in started:
         worker.close()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread for the reference passes here, as the worker has (rollout.threads)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -46,14 +46,6 @@ MISMATCH_KL_MAX = 1e-6
 
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """Each worker gets one core in a run; two threads on a shared 2-core box only fight."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def batch(one_thread) -> list[wire.TrainSample]:
