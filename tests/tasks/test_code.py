@@ -115,3 +115,29 @@ def test_a_bad_row_is_named_by_its_line(tmp_path, row, message):
     path.write_text(json.dumps({"prompt": "ok", "tests": [{"stdin": "", "stdout": ""}]}) + "\n" + json.dumps(row))
     with pytest.raises(ValueError, match=rf"bad.jsonl:2: .*{message}"):
         tasks.read_code_jsonl(path)
+
+
+@pytest.mark.slow
+def test_the_run_command_trains_on_code_tasks_end_to_end(tmp_path):
+    """`python -m areal_aio run` with task.name = code: pre-flight, the real workers on
+    tiny-random, items and rewards made in the sandbox (tiny-random writes no program: rewards
+    0, none failed), a clean end."""
+    import subprocess
+    import sys
+
+    import orjson
+
+    from tests.conftest import ROOT
+
+    sets = ["model.path=embedded:tiny-random", "task.name=code", "rollout.max_new_tokens=8",
+            "rollout.group_size=2", "trainer.batch_size=4", "task.eval_size=2", "task.eval_every=2",
+            "run.max_steps=2", "run.progress=false", "trainer.bf16=false", "controller.reward_procs=1"]
+    done = subprocess.run([sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"),
+                           *[arg for kv in sets for arg in ("--set", kv)], "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
+    assert summary["ended"] == "completed" and summary["steps"] == 2 and summary["reward_failures"] == 0
+    rows = [orjson.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_bytes().splitlines()]
+    assert {r["task_id"][0] for r in rows if r["kind"] == "train"} == {"t"}
+    assert {r["task_id"] for r in rows if r["kind"] == "eval"} == {"e0", "e1"}
