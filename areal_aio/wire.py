@@ -64,7 +64,13 @@ class Generate:
     With a `prefix` the reply is taken to have begun with it (a process-reward continuation):
     the worker tokenizes the chat template of `prompt` (with its generation prompt) followed by
     `prefix`; the Completion's prompt_ids hold both, its completion_ids and text only what
-    was generated after the prefix."""
+    was generated after the prefix.
+
+    With `context_ids` (an episode's later replies: areal_aio/control/episodes.py) the worker
+    templates nothing it was given before: it continues from exactly these ids (the episode's
+    prompt, replies and turns so far), after the `append` turns rendered by the chat template
+    as messages that follow the last reply (with the generation prompt); the Completion's
+    prompt_ids are context_ids + the appended turns' ids."""
 
     request_id: str
     prompt: str  # user message; the worker applies the chat template
@@ -74,6 +80,9 @@ class Generate:
     seed: int | None = None  # sampling seed (areal_aio.seeds); None: the worker assigns one
     messages: list | None = None  # a chat task's {role, content} turns (the last is `prompt`): templated instead
     prefix: str = ""  # start of the assistant's reply to continue from ("" = a fresh reply)
+    context_ids: list[int] | None = None  # an episode's exact ids so far; `prompt` is then only a label
+    append: list | None = None  # {role, content} turns after context_ids (a tool's answer), templated
+    max_context: int = 0  # > 0: the reply stops before prompt_ids + reply pass this many ids (none left: empty)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +162,11 @@ class Completion:
 
 @dataclass(frozen=True, slots=True)
 class TrainSample:
-    """One trajectory as the trainer sees it (a Completion plus its reward and group)."""
+    """One trajectory as the trainer sees it (a Completion plus its reward and group).
+
+    An episode's (areal_aio/control/episodes.py) completion_ids hold its replies and the turns
+    between them; `loss_mask` marks the replies' tokens, the only ones trained: the turns'
+    logprobs and versions are placeholders, never read."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -161,6 +174,7 @@ class TrainSample:
     versions: list[int]  # behaviour versions, one per completion token
     reward: float
     group: int  # samples of one prompt share a group (GRPO normalization)
+    loss_mask: list[int] | None = None  # per completion token: 1 trained, 0 context only; None: all 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,22 @@ def test_embedding_example_runs(tmp_path):
     assert (tmp_path / "runs" / "embedded-demo" / "summary.json").exists()
 
 
+@pytest.mark.slow
+def test_episode_example_runs(tmp_path):
+    """The multi-turn example: a calculator episode trained on tiny-random, its rows with turns."""
+    import orjson
+
+    (tmp_path / "example.py").write_text(block_after("<!-- episode-example -->"))
+    shutil.copy(ROOT / "settings.toml", tmp_path / "settings.toml")
+    done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trained 2 steps; 0 episodes failed" in done.stdout
+    samples = [orjson.loads(x) for x in (tmp_path / "runs" / "episode-demo" / "samples.jsonl")
+               .read_bytes().splitlines()]
+    assert all(r["turns"] for r in samples if r["kind"] == "train")
+
+
 def test_own_task_and_reward_example_passes_check(tmp_path):
     """The settings, rows and reward module of "Your own task and reward" are checked as a user would."""
     (tmp_path / "settings.toml").write_text(block_after("<!-- byo-settings -->"))  # defaults elsewhere

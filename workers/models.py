@@ -334,6 +334,28 @@ def encode_prompt(tok: Any, prompt: str | list[dict[str, str]], system_prompt: s
     return ids
 
 
+TURN_MARK = "\x00reply\x00"
+"""Stands in for a finished reply when the chat template renders the turns after it: what
+follows the mark is what the template puts after a reply."""
+
+
+def encode_turns(tok: Any, turns: list[dict[str, str]], closed: bool) -> list[int]:
+    """The ids the chat template puts after an assistant reply for `turns` ({role, content}
+    messages, e.g. a tool's answer) and then the generation prompt, so that an episode's context
+    grows by exactly these ids and never gets templated again. `closed`: the reply ended with
+    the EOS token (the template's end of turn), which the context holds already and is left out
+    here; a reply cut at its length limit gets the end of turn from here.
+
+    The text is tokenized on its own: a merge across the boundary with the reply (which the
+    whole chat templated and tokenized at once could make) never happens here."""
+    chat = [{"role": "user", "content": "-"}, {"role": "assistant", "content": TURN_MARK}, *turns]
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    after = text[text.rindex(TURN_MARK) + len(TURN_MARK):]
+    if closed and tok.eos_token and after.startswith(tok.eos_token):
+        after = after[len(tok.eos_token):]
+    return list(tok.encode(after, add_special_tokens=False))
+
+
 def linear_layers(spec: str) -> list[str]:
     """The names of the linear layers lora.targets may name in `spec` (workers.lora.linear_names),
     read off the model's skeleton on the meta device: no weights are loaded or converted."""

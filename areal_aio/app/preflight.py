@@ -18,6 +18,7 @@ of a traceback seconds or minutes into the run. Checked:
     *.device(s)      cuda or cuda:N, in rollout.device, trainer.device and each entry of
                      rollout.devices and trainer.devices: torch in a subprocess (this
                      process never imports torch) sees that device
+    task.episode     imports, and is an async def episode(task, model)
     lora.targets     with lora.rank > 0, a list of names: each a linear layer of the model
                      (torch in a subprocess); an adapter folder as model.path: its base
     ray.address      a running cluster's ("auto", host:port): something listens there
@@ -72,6 +73,7 @@ def preflight(settings: Settings, out: str | Path | None = None, *, out_key: str
     rows (None for generated tasks), so a run need not read them again."""
     rows = check_tasks(settings)
     check_reward(settings, rows)
+    check_episode(settings)
     check_out(Path(out) if out is not None else Path(settings.run.out_dir),
               out_key if out is not None else "run.out_dir")
     check_model(settings.model.path, model_key)
@@ -122,6 +124,19 @@ def check_reward(settings: Settings, rows: list[Task] | None) -> None:
     if answer and coded is not None and settings.task.name not in CODE_TASKS:
         raise PreflightError(f"task.reward: task {coded.id!r} has tests, which the built-in \"answer\" reward "
                              f"ignores; give task.reward = \"{CODE_REWARD}\" to run them")
+
+
+def check_episode(settings: Settings) -> None:
+    """task.episode imports and is an `async def episode(task, model)`."""
+    from areal_aio.control.episodes import episode_spec, load_episode
+
+    spec = episode_spec(settings)
+    if not spec:
+        return
+    try:
+        load_episode(spec)
+    except SettingsError as exc:
+        raise PreflightError(str(exc)) from None
 
 
 def check_out(folder: Path, key: str) -> None:

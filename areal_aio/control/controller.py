@@ -4,7 +4,8 @@
         |
     [dispatch] --blocks on--> Admission (staleness.py): floor((live + G - 1) / B) <= version + eta
         |                      (live = ever admitted - dropped; never lowered by training)
-        |  Generate x G (one group)                       ^ capacity event: commit, drop
+        |  Generate x G (one group), or G [episode] tasks  ^ capacity event: commit, drop
+        |  (each: Generate per model.reply, awaits it)    |
         v                                                 |
     rollout pipe(s) -> [rollout_reader] --Completion--> [score] (reward pool, timeout -> 0)
                              |  WeightsLoaded               |  process.mode: M continuations per step
@@ -22,6 +23,15 @@
         --> keeping (Keeper, keeping.py), between steps: a new best eval's version -> best/;
             every run.checkpoint_every steps a checkpoint -> checkpoints/step-N
     [monitor]  loop lag, queue depths, progress line, row flushing
+
+Episodes (task.episode, or the `episode` argument; control/episodes.py): a group's G samples
+are G named tasks (_run_episode) in the TaskGroup, each running the user's episode function,
+which sends one Generate per model.reply (_reply) and awaits its Completion (the reader hands it
+over; an abort answer under on_interrupt = restart resubmits that reply, past max_retries the
+group is dropped). Admission, replay and acceptance are unchanged; a sample is scored when its
+episode returns, and its staleness is its oldest trained token's. A stop cancels every running
+episode (_stop_generating; its reply in flight is aborted); a resume admits the open groups
+again, so their episodes run again from the start.
 
 The rollout role is one RolloutPool however many workers it has (placement.py; a single
 worker is a pool of one): it sends each group whole to its least-loaded worker, every
@@ -69,7 +79,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_aio import wire
-from areal_aio.control import evaluation, keeping, stats
+from areal_aio.control import episodes, evaluation, keeping, stats
 from areal_aio.control.progress import Progress
 from areal_aio.control.replay import Group, ReplayBuffer
 from areal_aio.control.runlog import RunLog
@@ -81,9 +91,9 @@ from areal_aio.fleet.client import WorkerClient, WorkerFailed
 from areal_aio.fleet.rollout_pool import RolloutPool
 from areal_aio.rewards import process as process_reward
 from areal_aio.rewards.pool import RewardPoolBroken
-from areal_aio.rewards.scoring import Score, Scorer, load_rewards
-from areal_aio.seeds import sample_seed
-from areal_aio.settings import Settings
+from areal_aio.rewards.scoring import FAILED, Score, Scorer, as_score, load_rewards
+from areal_aio.seeds import derive, sample_seed
+from areal_aio.settings import Settings, SettingsError
 from areal_aio.store import checkpoint
 from areal_aio.store.weights import WeightStore
 from areal_aio.tasks.files import read_tasks
@@ -113,10 +123,26 @@ class Sample:
     completion: wire.Completion | None = None
     score: Score | None = None
     process: dict | None = None  # process.mode: the process reward's record of this reply
+    model: episodes.Model | None = None  # an episode's: its transcript (the sequence, its turns)
+    waiting: asyncio.Future | None = None  # an episode's reply in flight: its Completion
 
     @property
     def oldest_version(self) -> int:
         return self.completion.oldest_version
+
+    @property
+    def loss_mask(self) -> list[int] | None:
+        """An episode's mask over completion_ids (its turns 0); None: every token trained."""
+        return self.model.transcript.mask if self.model is not None else None
+
+    @property
+    def turns(self) -> list[dict] | None:
+        return self.model.transcript.turns if self.model is not None else None
+
+    @property
+    def trained_tokens(self) -> int:
+        mask = self.loss_mask
+        return len(self.completion.completion_ids) if mask is None else sum(mask)
 
 
 @dataclass(slots=True)
@@ -125,6 +151,7 @@ class PendingGroup:
     samples: list[Sample]
     scored: int = 0
     dropped: bool = False
+    episodes: list[asyncio.Task] = dataclasses.field(default_factory=list)  # its samples' episodes
 
 
 class Orchestrator:
@@ -134,6 +161,8 @@ class Orchestrator:
     `reward`: any sync or async callable (task, completion_text) -> float | Score, or a list of
     rewards.Reward (summed with their weights, each logged as reward/<name>); default: what
     task.reward names;
+    `episode`: an `async def episode(task, model)` (areal_aio/control/episodes.py): each sample
+    is a multi-turn episode; default: what task.episode names (none: one reply per task);
     `rollout` / `trainer`: WorkerClient instances (default: the real subprocesses);
     `resume`: a run folder (or one of its checkpoints) to continue; `settings` may differ from
     the checkpoint's only in checkpoint.RESUMABLE keys. A resumed run with its own `tasks`
@@ -145,7 +174,8 @@ class Orchestrator:
                  reward: Callable[..., Any] | None = None, eval_set: list[Task] | None = None,
                  out_dir: str | Path | None = None, rollout: WorkerClient | None = None,
                  trainer: WorkerClient | None = None,
-                 resume: str | Path | checkpoint.Checkpoint | None = None) -> None:
+                 resume: str | Path | checkpoint.Checkpoint | None = None,
+                 episode: episodes.Episode | None = None) -> None:
         self.settings = settings
         self.eta = settings.eta
         self.max_in_flight = settings.max_in_flight
@@ -158,6 +188,10 @@ class Orchestrator:
         rows = read_tasks(settings.task) if tasks is None or eval_set is None else None  # read once
         self._tasks = tasks if tasks is not None else training_tasks(settings, start=consumed, rows=rows)
         self._reward = reward if reward is not None else load_rewards(settings.task)
+        spec = episodes.episode_spec(settings)
+        self._episode = episode if episode is not None else episodes.load_episode(spec) if spec else None
+        if self._episode is not None and settings.process.mode != "off":
+            raise SettingsError("process.mode: scores single replies; an episode run needs process.mode = off")
         self._eval_set = eval_set if eval_set is not None else eval_tasks(settings, rows=rows)
         name = settings.run.name or f"{settings.run.mode}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.folder = Path(out_dir) if out_dir is not None else Path(settings.run.out_dir) / name
@@ -371,9 +405,14 @@ class Orchestrator:
 
     async def _admit(self, gid: int, task: Task) -> None:
         samples = [Sample(f"g{gid}.{i}", gid, task, i) for i in range(self.G)]
-        self._groups[gid] = PendingGroup(task, samples)
+        group = self._groups[gid] = PendingGroup(task, samples)
         self.admission.admit(self.G)
-        await self._generate(*samples)
+        if self._episode is None:
+            await self._generate(*samples)
+            return
+        for sample in samples:
+            group.episodes.append(self._tg.create_task(self._run_episode(sample, group),
+                                                       name=f"episode-{sample.request_id}"))
 
     async def _generate(self, *samples: Sample) -> None:
         """One Generate per sample, written together (one pipe drain for a whole group)."""
@@ -414,6 +453,13 @@ class Orchestrator:
         group = self._groups.get(sample.group_id)
         if group is None or group.dropped or self._closing:
             return
+        if sample.model is not None:  # an episode's reply: its episode takes it from here
+            if msg.finish != "abort":
+                self.counts.replied(msg)
+                share.gen_tokens += len(msg.completion_ids)
+            if sample.waiting is not None and not sample.waiting.done():
+                sample.waiting.set_result(msg)
+            return
         if msg.finish == "abort":
             self._restart(sample, group)
             return
@@ -428,11 +474,7 @@ class Orchestrator:
     def _restart(self, sample: Sample, group: PendingGroup) -> None:
         """on_interrupt = restart: resubmit from scratch, or drop the group past the retry limit."""
         if sample.retries >= self.settings.controller.max_retries:
-            group.dropped = True
-            self._drop(group.samples, "interrupt")
-            for other in group.samples:
-                if self._requests.pop(other.request_id, None) is not None:
-                    self._tg.create_task(self.rollout.send(wire.Abort(other.request_id)))
+            self._drop_group(group, "interrupt")
             return
         sample.retries += 1
         self.counts.restarts += 1
@@ -450,6 +492,69 @@ class Orchestrator:
             score, sample.process = scored
         self._scored(sample, group, score)
 
+    # ------------------------------------------------------------------ episodes
+
+    async def _run_episode(self, sample: Sample, group: PendingGroup) -> None:
+        """One sample as a multi-turn episode (areal_aio/control/episodes.py): the user's function
+        under task.episode_timeout_s, then its score. One that raises, times out or passes a
+        bound scores 0 and is counted; a dropped group or a stop cancels it (its reply in flight
+        is aborted); one that ends without a reply drops its group (nothing to train)."""
+        bounds = episodes.Bounds.of(self.settings)
+        model = sample.model = episodes.Model(
+            bounds, lambda sent, append, limit, room: self._reply(sample, group, sent, append, limit, room))
+        try:
+            async with asyncio.timeout(bounds.timeout_s):
+                result = await self._episode(sample.task, model)
+            score = None if result is None else as_score(result)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's code: its failure scores 0, counted
+            self.counts.episode_failures += 1
+            self.log.events.info("episode_failed", request_id=sample.request_id, replies=model.replies,
+                                 error=f"{type(exc).__name__}: {exc}"[:500])
+            score = FAILED
+        sample.completion = model.transcript.completion()
+        if sample.completion is not None:
+            self.counts.generated += 1
+        if score is None:
+            score = await self._scorer.score(sample.task, sample.completion.text if sample.completion else "")
+        self._scored(sample, group, score)
+
+    async def _reply(self, sample: Sample, group: PendingGroup, sent: list[int] | None,
+                     append: list[dict] | None, limit: int, room: int) -> wire.Completion:
+        """One reply of an episode: a Generate, its Completion. An abort answer (on_interrupt =
+        restart) resubmits the reply, or past controller.max_retries drops the group."""
+        r = self.settings.rollout
+        loop = asyncio.get_running_loop()
+        turn = sample.model.replies
+        base = f"g{sample.group_id}.{sample.index}.r{turn}"
+        while True:
+            rid = base if not sample.retries else f"{base}~{sample.retries}"
+            seed = sample_seed(self.settings.run.seed, sample.group_id, sample.index, sample.retries)
+            if turn:  # each reply its own draws, the same on a resume
+                seed = derive(seed, turn)
+            sample.request_id, sample.waiting = rid, loop.create_future()
+            self._requests[rid] = sample
+            self._rollout_busy.up()
+            first = sent is None
+            await self.rollout.send(wire.Generate(
+                rid, sample.task.text, limit, r.temperature, r.top_p, seed,
+                sample.task.messages if first else None, context_ids=sent, append=append,
+                max_context=room))
+            try:
+                msg = await sample.waiting
+            except asyncio.CancelledError:  # a timeout or a dropped group: the reply is not wanted
+                if not self._closing and self._requests.pop(rid, None) is not None:
+                    self._abort_soon(rid)
+                raise
+            if msg.finish != "abort":
+                return msg
+            if sample.retries >= self.settings.controller.max_retries:
+                self._drop_group(group, "interrupt")
+                raise asyncio.CancelledError  # the group is given up: this episode ends with it
+            sample.retries += 1
+            self.counts.restarts += 1
+
     async def _send_continuations(self, msgs: list[wire.Generate]) -> None:
         for _ in msgs:
             self._rollout_busy.up()
@@ -461,9 +566,32 @@ class Orchestrator:
         self.counts.scored(score)
         group.scored += 1
         if group.scored == len(group.samples) and not group.dropped:
+            if any(s.completion is None for s in group.samples):
+                self._drop_group(group, "episode")  # an episode with no reply: nothing to train
+                return
             del self._groups[sample.group_id]
             self.replay.put(Group(sample.group_id, group.task, group.samples))
             self._batch_ready.set()
+
+    def _abort_soon(self, rid: str) -> None:
+        """Abort a request from code that cannot wait (its answer is ignored: not in _requests)."""
+        coro = self.rollout.send(wire.Abort(rid))
+        try:
+            self._tg.create_task(coro, name=f"abort-{rid}")
+        except RuntimeError:  # the run's TaskGroup is ending: the rollout workers stop with it
+            coro.close()
+
+    def _drop_group(self, group: PendingGroup, why: str) -> None:
+        """Give a whole pending group up: its requests aborted, its other episodes cancelled."""
+        group.dropped = True
+        self._groups.pop(group.samples[0].group_id, None)  # a stream that ends can still end the run
+        self._drop(group.samples, why)
+        for other in group.samples:
+            if self._requests.pop(other.request_id, None) is not None:
+                self._abort_soon(other.request_id)
+        for task in group.episodes:
+            if task is not asyncio.current_task():
+                task.cancel()
 
     def _drop(self, samples: list[Sample], why: str) -> None:
         """Give the admission slots back and record the drop."""
@@ -533,6 +661,9 @@ class Orchestrator:
         Continuations in flight are aborted too, and their replies are left unscored."""
         self._closing = True
         self._dispatcher.cancel()
+        for group in self._groups.values():  # episodes end here: their replies are dropped now
+            for task in group.episodes:
+                task.cancel()
         if aborts := [wire.Abort(rid) for rid in [*self._requests, *self._process.close()]]:
             await self.rollout.send_many(aborts)  # each to the worker that holds it
 
@@ -546,7 +677,7 @@ class Orchestrator:
         stale = [staleness(self.version, s.oldest_version) for s in samples]
         train_samples = [wire.TrainSample(s.completion.prompt_ids, s.completion.completion_ids,
                                           s.completion.logprobs, s.completion.versions,
-                                          s.score.reward, s.group_id) for s in samples]
+                                          s.score.reward, s.group_id, s.loss_mask) for s in samples]
         step = self.step + 1
         # committed by the link (self._commit) before it returns; a stop keeps it in flight
         trained = await self.link.train(wire.Train(step, self.version, train_samples),
@@ -568,7 +699,7 @@ class Orchestrator:
         wall = time.perf_counter() - self._t0
         self._commit_wall[self.version] = wall
         self.keeper.retain()
-        self.counts.trained(sum(len(s.completion.completion_ids) for s in samples), stale)
+        self.counts.trained(sum(s.trained_tokens for s in samples), stale)
         self._max_trained_staleness = max(self._max_trained_staleness, *stale)
         for s, st in zip(samples, stale, strict=True):
             self.log.row("samples", stats.sample_row(s, staleness=st, step=self.step))

@@ -7,7 +7,9 @@ changes it and every row one place that builds it:
 
     Counts.completed   a training rollout came back       generated, gen_tokens, interrupts
     Counts.scored      its reward is in                   reward_failures, reward_sum
-    Counts.dropped     rollouts given up (stale/interrupt) dropped_stale, dropped_interrupt
+    Counts.replied     an episode's reply came back        gen_tokens, interrupts (completed: + generated)
+    Counts.dropped     rollouts given up                   dropped_stale, dropped_interrupt, dropped_episode
+    (episode_failures: an episode that raised or passed a bound, scored 0)
     Counts.trained     a batch committed                  accepted, trained_tokens, staleness_hist
     (admitted, restarts, eval_tokens, lost_in_flight: one line each where they happen)
     WorkerShare        one rollout worker's part: its requests and training tokens
@@ -45,11 +47,17 @@ class Counts:
     trained_tokens: int = 0
     reward_sum: float = 0.0
     lost_in_flight: int = 0  # rollouts admitted, not trained, lost by a stop and redone on resume
+    episode_failures: int = 0  # episodes that raised, timed out or passed a bound (reward 0)
+    dropped_episode: int = 0  # samples of groups dropped because an episode ended without a reply
     staleness_hist: Counter = field(default_factory=Counter)
 
     def completed(self, msg: wire.Completion) -> None:
         """A training rollout came back whole (not aborted)."""
         self.generated += 1
+        self.replied(msg)
+
+    def replied(self, msg: wire.Completion) -> None:
+        """A reply came back whole: one of an episode's, or a whole rollout's (`completed`)."""
         self.gen_tokens += len(msg.completion_ids)
         self.interrupts += msg.interrupts  # per sample in samples.jsonl; rebuilds in weights_loaded
 
@@ -58,9 +66,11 @@ class Counts:
         self.reward_sum += score.reward
 
     def dropped(self, n: int, why: str) -> None:
-        """`n` admitted rollouts given up: `why` is "stale" or "interrupt"."""
+        """`n` admitted rollouts given up: `why` is "stale", "interrupt" or "episode"."""
         if why == "stale":
             self.dropped_stale += n
+        elif why == "episode":
+            self.dropped_episode += n
         else:
             self.dropped_interrupt += n
 
@@ -138,7 +148,8 @@ def sample_row(s: Any, *, staleness: int | None = None, step: int | None = None,
         "oldest_version": c.oldest_version if c else None, "newest_version": c.newest_version if c else None,
         "staleness": staleness, "interrupts": c.interrupts if c else None, "retries": s.retries,
         "dropped": dropped, "step": step, "tokens": len(c.completion_ids) if c else 0,
-        **({"process": s.process} if s.process is not None else {})}
+        **({"process": s.process} if s.process is not None else {}),
+        **({"turns": s.turns} if getattr(s, "turns", None) else {})}
 
 
 def step_row(step: int, version: int, wall: float, train_s: float, wait_s: float, samples: Sequence[Any],
@@ -166,7 +177,7 @@ def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, 
     """summary.json: the run's settings that matter, its counts, rates and eval curve;
     `rollout_workers_detail`: worker_rows; `ended`: how it ended (`ended`, from `error` and the
     train loop's `reason`)."""
-    unused = c.admitted - c.accepted - c.dropped_stale - c.dropped_interrupt
+    unused = c.admitted - c.accepted - c.dropped_stale - c.dropped_interrupt - c.dropped_episode
     return {
         "mode": s.run.mode, "max_staleness": num(s.eta), "objective": s.trainer.objective,
         "interrupt": s.rollout.interrupt, "seed": s.run.seed, "model": s.model.path,
@@ -174,7 +185,8 @@ def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, 
         "samples_admitted": c.admitted, "samples_generated": c.generated, "samples_accepted": c.accepted,
         "samples_dropped_stale": c.dropped_stale, "samples_dropped_interrupt": c.dropped_interrupt,
         "samples_unused": unused, "interrupts": c.interrupts, "restarts": c.restarts,
-        "reward_failures": c.reward_failures, "max_staleness_trained": max_trained_staleness,
+        "reward_failures": c.reward_failures, "episode_failures": c.episode_failures,
+        "samples_dropped_episode": c.dropped_episode, "max_staleness_trained": max_trained_staleness,
         "lost_in_flight": c.lost_in_flight, "resumes": resumes,
         "best_eval": best if best["version"] is not None else None,
         "staleness_hist": {str(k): v for k, v in sorted(c.staleness_hist.items())},

@@ -5,7 +5,8 @@ emits `tokens` tokens per request, one per `token_delay_s`, each stamped with
 the version it holds at that moment, and follows the interrupt rule of the
 real one (interrupt: switch versions at once; otherwise hold new requests, let
 the ones in flight finish on the old weights, load, then start the held ones). Its answer to a prompt comes from `policy(prompt, version)`; a continuation
-(a Generate with a reply prefix) is answered by `continuation(msg, version)`.
+(a Generate with a reply prefix) and an episode's later reply (with context ids) are answered
+by `continuation(msg, version)`.
 The fake trainer answers Train after `step_delay_s` with the next version, and
 Save by writing small stand-in files (a checkpoint part it can resume from: its
 version; a "model" folder with a config.json). Both record what happened (`log`) so tests can check ordering and overlap.
@@ -47,7 +48,11 @@ def policy_continuation(msg: wire.Generate, version: int) -> str:
 
 def prompt_ids(msg: wire.Generate) -> list[int]:
     """Stand-in token ids of what the real worker feeds the model: the chat (the task's turns,
-    or the prompt as one user turn), then any reply prefix; one id per UTF-8 byte."""
+    or the prompt as one user turn), then any reply prefix; one id per UTF-8 byte. An episode's
+    later reply: its context ids as given, then its appended turns and the generation prompt."""
+    if msg.context_ids is not None:
+        turns = "".join(f"<{t['role']}>{t['content']}\n" for t in msg.append or [])
+        return list(msg.context_ids) + list((turns + "<assistant>").encode())
     if not msg.messages:  # the common case, and a group's samples share it: tokenized once
         return list(_prompt_bytes(msg.prompt, msg.prefix))
     text = "".join(f"<{t['role']}>{t['content']}\n" for t in msg.messages)
@@ -174,7 +179,7 @@ class FakeRollout(_FakeWorker):
         self._interrupts[msg.request_id] = 0
         self._requests[msg.request_id] = msg
         if self.instant:
-            versions = [self.version] * min(self.tokens, msg.max_new_tokens)
+            versions = [self.version] * min(self.tokens, self._limit(msg))
             self._out.put_nowait(self._completion(msg.request_id, versions, self._finish(msg),
                                                   self.answer(msg, self.version)))
             self.log.append((time.perf_counter(), "done", msg.request_id))
@@ -197,15 +202,24 @@ class FakeRollout(_FakeWorker):
             self._start(msg)
 
     def answer(self, msg: wire.Generate, version: int) -> str:
-        return self.continuation(msg, version) if msg.prefix else self.policy(msg.prompt, version)
+        if msg.prefix or msg.context_ids is not None:
+            return self.continuation(msg, version)
+        return self.policy(msg.prompt, version)
 
     def token_delay(self, request_id: str) -> float:
         """Seconds per token of this request (override for uneven timings)."""
         return self.token_delay_s
 
     def _finish(self, msg: wire.Generate) -> str:
-        """`tokens` is where the fake's reply ends (its EOS); max_new_tokens can cut it first."""
-        return "length" if msg.max_new_tokens <= self.tokens else "stop"
+        """`tokens` is where the fake's reply ends (its EOS); max_new_tokens (or max_context) can
+        cut it first."""
+        return "length" if self._limit(msg) <= self.tokens else "stop"
+
+    def _limit(self, msg: wire.Generate) -> int:
+        """The most tokens a request may get: max_new_tokens, and what max_context leaves."""
+        if not msg.max_context:
+            return msg.max_new_tokens
+        return max(0, min(msg.max_new_tokens, msg.max_context - len(prompt_ids(msg))))
 
     async def next_token(self, request_id: str, i: int, delay: float) -> None:
         """Wait for token i of a request (override to tie a request to events, not to time):
@@ -216,10 +230,10 @@ class FakeRollout(_FakeWorker):
     async def _generate(self, msg: wire.Generate) -> None:
         delay = self.token_delay(msg.request_id)
         versions = self._progress[msg.request_id] = []
-        for i in range(min(self.tokens, msg.max_new_tokens)):
+        for i in range(min(self.tokens, self._limit(msg))):
             await self.next_token(msg.request_id, i, delay)
             versions.append(self.version)
-        text = self.answer(msg, versions[-1])
+        text = self.answer(msg, versions[-1]) if versions else ""  # no room left: an empty reply
         self._running.pop(msg.request_id, None)
         del self._progress[msg.request_id]
         await self._out.put(self._completion(msg.request_id, versions, self._finish(msg), text))

@@ -315,9 +315,9 @@ def _load(name: str, spec: str, weight: float, task: TaskSettings) -> Reward:
     return Reward(name, fn, weight, columns, required)
 
 
-def import_reward(spec: str) -> Callable[..., Any]:
+def import_reward(spec: str, key: str = KEY) -> Callable[..., Any]:
     """The callable that "package.module:attr" names (the current folder is searched too, as
-    `python -m` does); SettingsError saying why it cannot be had."""
+    `python -m` does); SettingsError naming `key` saying why it cannot be had."""
     module_name, _, attr = spec.partition(":")
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # also what the reward pool's processes get
@@ -325,22 +325,22 @@ def import_reward(spec: str) -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise SettingsError(f"{KEY}: cannot import {module_name!r} (no module named {exc.name!r}); "
+            raise SettingsError(f"{key}: cannot import {module_name!r} (no module named {exc.name!r}); "
                                 f"install it or run from the folder that holds it") from None
-        raise SettingsError(f"{KEY}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+        raise SettingsError(f"{key}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - whatever the module raises, one line naming it
-        raise SettingsError(f"{KEY}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+        raise SettingsError(f"{key}: importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
     fn: Any = module
     for part in attr.split("."):
         if not hasattr(fn, part):
             close = difflib.get_close_matches(part, [n for n in dir(fn) if not n.startswith("_")], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise SettingsError(f"{KEY}: {spec!r}: {module_name!r} has no {attr!r}{hint}")
+            raise SettingsError(f"{key}: {spec!r}: {module_name!r} has no {attr!r}{hint}")
         fn = getattr(fn, part)
     if inspect.isclass(fn):
-        raise SettingsError(f"{KEY}: {spec!r} is a class; name a function (or a callable instance)")
+        raise SettingsError(f"{key}: {spec!r} is a class; name a function (or a callable instance)")
     if not callable(fn):
-        raise SettingsError(f"{KEY}: {spec!r} is a {type(fn).__name__}, not a function")
+        raise SettingsError(f"{key}: {spec!r} is a {type(fn).__name__}, not a function")
     return fn
 
 

@@ -17,11 +17,12 @@ EPOCH = 10_000
 """Arithmetic tasks per reseeded epoch of the endless training stream."""
 
 
-def arithmetic_prompt(question: str) -> str:
-    return f"{question} {ANSWER_INSTRUCTION}"
+def arithmetic_prompt(question: str, instruction: str = ANSWER_INSTRUCTION) -> str:
+    return f"{question} {instruction}"
 
 
-def arithmetic_tasks(task: TaskSettings, seed: int, size: int, prefix: str, start: int = 0) -> Iterator[Task]:
+def arithmetic_tasks(task: TaskSettings, seed: int, size: int, prefix: str, start: int = 0,
+                     instruction: str = ANSWER_INSTRUCTION) -> Iterator[Task]:
     import reasoning_gym
 
     dataset = reasoning_gym.create_dataset(
@@ -30,14 +31,15 @@ def arithmetic_tasks(task: TaskSettings, seed: int, size: int, prefix: str, star
         allow_negation=False, seed=seed, size=size)
     for index in range(start, size):
         item = dataset[index]
-        yield Task(id=f"{prefix}{index}", prompt=arithmetic_prompt(item["question"]),
+        yield Task(id=f"{prefix}{index}", prompt=arithmetic_prompt(item["question"], instruction),
                    answer=str(item["answer"]))
 
 
-def arithmetic_stream(task: TaskSettings, seed: int, start: int = 0) -> Iterator[Task]:
+def arithmetic_stream(task: TaskSettings, seed: int, start: int = 0,
+                      instruction: str = ANSWER_INSTRUCTION) -> Iterator[Task]:
     """Endless training tasks: epoch e is drawn with seed (seed, e), so a run never repeats a
     stream. Task i is item i % EPOCH of epoch i // EPOCH: `start` skips to it directly."""
     first = start // EPOCH
     for epoch in itertools.count(first):
         yield from arithmetic_tasks(task, seed * 1_000_003 + epoch, EPOCH, f"t{epoch}-",
-                               start % EPOCH if epoch == first else 0)
+                               start % EPOCH if epoch == first else 0, instruction)

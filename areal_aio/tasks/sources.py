@@ -2,6 +2,8 @@
 
 A task source is any iterable (or async iterable) of `Task` (tasks/task.py). Built in:
   * arithmetic: reasoning-gym's basic_arithmetic, generated offline (tasks/arithmetic.py);
+  * calculator: the same problems, trained as episodes with a calculator tool
+    (tasks/calculator.py); its held-out eval asks for one direct answer (arithmetic's prompt);
   * chain: multi-step arithmetic with a worked solution per task, in the step-tagged reply
     format (tasks/chain.py, tasks/steps.py);
   * code: write a Python function, judged by running tests in the sandbox (tasks/code.py):
@@ -19,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 
 from areal_aio.settings import CODE_TASKS, Settings
 from areal_aio.tasks.arithmetic import arithmetic_stream, arithmetic_tasks
+from areal_aio.tasks.calculator import CALCULATOR_INSTRUCTION
 from areal_aio.tasks.chain import chain_eval, chain_stream
 from areal_aio.tasks.files import read_tasks
 from areal_aio.tasks.task import Task
@@ -39,6 +42,8 @@ def training_tasks(settings: Settings, start: int = 0, rows: list[Task] | None =
         return itertools.cycle(train[offset:] + train[:offset])
     if settings.task.name == "chain":
         return chain_stream(settings.task, settings.run.seed, start)
+    if settings.task.name == "calculator":
+        return arithmetic_stream(settings.task, settings.run.seed, start, CALCULATOR_INSTRUCTION)
     if settings.task.name in CODE_TASKS:
         from areal_aio.tasks.code import code_stream, code_stream_async
 

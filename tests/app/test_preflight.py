@@ -60,6 +60,8 @@ def files(tmp_path, monkeypatch):
     (["task.name=jsonl", "task.path=folder"], "task.path: 'folder' is a folder"),
     (["task.name=jsonl", "task.path=code.jsonl"], "task.reward: task '1' has tests, which the built-in \"answer\""),
     (["task.name=jsonl", "task.path=badcode.jsonl"], "task.path: badcode.jsonl:1: tests: each needs an output"),
+    (["task.episode=json:dumps"], "task.episode: 'json:dumps' is not an async function"),
+    (["task.episode=no_such_module:episode"], "task.episode: cannot import 'no_such_module'"),
     (["run.out_dir=afile"], "run.out_dir: 'afile' is a file, not a folder"),
     (["run.out_dir=afile/runs"], "run.out_dir: 'afile/runs' cannot be made: 'afile' is a file"),
     (["model.path=embedded:smollm3"], "model.path: unknown embedded model 'embedded:smollm3'"),

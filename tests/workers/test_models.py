@@ -60,3 +60,37 @@ def test_embedded_smollm2_converts_once_then_loads_from_cache():
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=24, do_sample=False)
     assert "4" in tok.decode(out[0, ids.shape[1]:])
+
+
+def test_an_episode_built_incrementally_matches_the_template_of_the_whole_chat_but_where_said():
+    """An episode's ids grow as prompt + reply ids + each turn's own ids (encode_turns) and are
+    never templated again. Against the chat template of the whole conversation at once they
+    differ in exactly two ways: the template's '\\n' after the last reply's end of turn (an
+    episode ends at the EOS the model generated), and a reply whose sampled ids are not the
+    tokenizer's own split of its text (the episode keeps what was sampled: those are the ids
+    trained, with their log-probs)."""
+    tok = models.load_tokenizer(models.TINY)
+    eos = tok.eos_token_id
+
+    def ids(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    chat = [{"role": "user", "content": "What is 6 * 7?"}, {"role": "assistant", "content": "<calc>6*7</calc>"},
+            {"role": "tool", "content": "42"}, {"role": "assistant", "content": "<answer>42</answer>"}]
+    whole = tok.apply_chat_template(chat, tokenize=False)
+    reply1, reply2 = ids(chat[1]["content"]) + [eos], ids(chat[3]["content"]) + [eos]
+    turn = models.encode_turns(tok, [chat[2]], closed=True)
+    built = models.encode_prompt(tok, chat[0]["content"]) + reply1 + turn + reply2
+    assert tok.decode(turn) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    assert built + ids("\n") == ids(whole)  # the only difference: the template's final '\n'
+
+    # a reply cut at its length limit (no EOS): its turn closes the reply with the end of turn
+    cut = models.encode_turns(tok, [chat[2]], closed=False)
+    assert cut == [eos] + turn
+    assert models.encode_prompt(tok, chat[0]["content"]) + reply1[:-1] + cut + reply2 + ids("\n") == ids(whole)
+
+    # a reply sampled as other ids for the same text: kept as sampled, not as the template splits it
+    split = [t for ch in "<answer>42</answer>" for t in ids(ch)] + [eos]
+    assert split != reply2 and tok.decode(split) == tok.decode(reply2)
+    resampled = models.encode_prompt(tok, chat[0]["content"]) + reply1 + turn + split
+    assert resampled + ids("\n") != ids(whole) and tok.decode(resampled + ids("\n")) == whole

@@ -4,7 +4,7 @@
     loop:
         messages (never blocking while there is work; blocking recv when idle):
             Generate      -> engine.add (prompt, or a chat's messages, through the chat template, then
-                             any reply prefix)
+                             any reply prefix; an episode's context ids, then its new turns)
             Abort         -> engine.abort -> Completion(finish="abort"); unknown ids ignored
             UpdateWeights -> pending (a newer one supersedes an older one not yet loaded); the
                              file is the whole policy, or with lora.rank > 0 an adapter, merged
@@ -32,7 +32,7 @@ from areal_aio.settings import Settings
 from areal_aio.store.safetensors_io import load_weights
 from areal_aio.workers import lora
 from areal_aio.workers.common import EOF, Channel, configure_torch, serve
-from areal_aio.workers.models import encode_prompt, load_model
+from areal_aio.workers.models import encode_prompt, encode_turns, load_model
 from areal_aio.workers.rollout.engine import Engine, Request
 
 IDLE_WAIT_S = 1.0
@@ -83,9 +83,19 @@ class RolloutWorker:
     def _handle(self, msg: Any, channel: Channel) -> None:
         match msg:
             case wire.Generate():
-                ids = encode_prompt(self.tokenizer, msg.messages or msg.prompt, self.system_prompt, msg.prefix)
-                self.engine.add(Request(msg.request_id, ids, msg.max_new_tokens,
-                                        msg.temperature, msg.top_p, msg.seed))
+                if msg.context_ids is not None:  # an episode's later reply: its exact ids, then the turns
+                    closed = bool(msg.context_ids) and msg.context_ids[-1] in self.engine.eos
+                    ids = msg.context_ids + encode_turns(self.tokenizer, msg.append or [], closed)
+                else:
+                    ids = encode_prompt(self.tokenizer, msg.messages or msg.prompt, self.system_prompt,
+                                        msg.prefix)
+                limit = msg.max_new_tokens
+                if msg.max_context:  # an episode's token bound, its new turns counted
+                    limit = min(limit, msg.max_context - len(ids))
+                    if limit < 1:
+                        channel.send(wire.Completion(msg.request_id, ids, [], [], [], "", "length", 0, 0.0))
+                        return
+                self.engine.add(Request(msg.request_id, ids, limit, msg.temperature, msg.top_p, msg.seed))
             case wire.Abort():
                 done = self.engine.abort(msg.request_id)
                 if done is not None:

@@ -36,6 +36,12 @@ gives the measurement); one is simpler.
 
 Both layouts carry `gather` [T]: for each completion token, the flat position in
 [n x L] whose hidden state predicts it, so the LM head runs on those T positions only.
+
+A sample with a `loss_mask` (a multi-turn episode: replies, and tool turns between them) has
+every completion token in its row (the context the later replies were sampled after), but only
+the trained ones (mask 1) among the targets: a tool turn's tokens are never predicted, so they
+get no loss and no gradient, and their placeholder logprobs and versions are never read. T
+counts trained tokens only.
 """
 
 from __future__ import annotations
@@ -100,6 +106,20 @@ def check_samples(samples: list[wire.TrainSample]) -> None:
         if not (len(s.completion_ids) == len(s.logprobs) == len(s.versions)):
             raise ValueError(f"sample {i}: {len(s.completion_ids)} completion ids, "
                              f"{len(s.logprobs)} logprobs, {len(s.versions)} versions")
+        if s.loss_mask is not None and len(s.loss_mask) != len(s.completion_ids):
+            raise ValueError(f"sample {i}: {len(s.completion_ids)} completion ids, "
+                             f"{len(s.loss_mask)} loss mask entries")
+
+
+def trained(s: wire.TrainSample) -> list[int]:
+    """Positions in s.completion_ids that the loss takes (loss_mask 1; all without a mask)."""
+    if s.loss_mask is None:
+        return list(range(len(s.completion_ids)))
+    return [j for j, m in enumerate(s.loss_mask) if m]
+
+
+def trained_count(s: wire.TrainSample) -> int:
+    return len(s.completion_ids) if s.loss_mask is None else sum(1 for m in s.loss_mask if m)
 
 
 def prompt_groups(samples: list[wire.TrainSample], lo: int, hi: int) -> list[list[int]]:
@@ -118,13 +138,14 @@ def group_row_length(samples: list[wire.TrainSample], group: list[int]) -> int:
 
 def _flat_targets(samples: list[wire.TrainSample], index: list[int], adv: torch.Tensor,
                   device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """targets, behav, per-token adv [T] of samples[index], sample after sample."""
+    """targets, behav, per-token adv [T] of samples[index]'s trained tokens, sample after sample."""
     targets, behav, tok_adv = [], [], []
     for i in index:
         s = samples[i]
-        targets.extend(s.completion_ids)
-        behav.extend(s.logprobs)
-        tok_adv.extend([float(adv[i])] * len(s.completion_ids))
+        keep = trained(s)
+        targets.extend(s.completion_ids[j] for j in keep)
+        behav.extend(s.logprobs[j] for j in keep)
+        tok_adv.extend([float(adv[i])] * len(keep))
     return (torch.tensor(targets, dtype=torch.long, device=device),
             torch.tensor(behav, dtype=torch.float32, device=device),
             torch.tensor(tok_adv, dtype=torch.float32, device=device))
@@ -147,8 +168,8 @@ def build_micro_batch(samples: list[wire.TrainSample], index: list[int], adv: to
     attention_mask = (torch.arange(width) < torch.tensor([len(r) for r in rows])[:, None]).long()
     gather = []
     for row, i in enumerate(index):  # position p-1+j predicts completion token j
-        p, c = len(samples[i].prompt_ids), len(samples[i].completion_ids)
-        gather.extend(range(row * width + p - 1, row * width + p + c - 1))
+        p = len(samples[i].prompt_ids)
+        gather.extend(row * width + p - 1 + j for j in trained(samples[i]))
     return MicroBatch(list(index), input_ids.to(device), attention_mask.to(device), None,
                       torch.tensor(gather, dtype=torch.long, device=device),
                       *_flat_targets(samples, index, adv, device),
@@ -167,8 +188,9 @@ def build_packed_micro_batch(samples: list[wire.TrainSample], groups: list[list[
         r_ids, r_pos, r_branch = list(prompt), list(range(len(prompt))), [0] * len(prompt)
         for k, i in enumerate(group, start=1):
             body = samples[i].completion_ids[:-1]  # the last token predicts nothing
-            if samples[i].completion_ids:  # token 0 from the prompt's last, token j from body[j-1]
-                gather += [(r, len(prompt) - 1), *((r, len(r_ids) + j) for j in range(len(body)))]
+            # token 0 from the prompt's last, token j from body[j-1]; trained tokens only
+            at = [len(prompt) - 1, *(len(r_ids) + j for j in range(len(body)))]
+            gather += [(r, at[j]) for j in trained(samples[i])]
             index.append(i)
             r_ids += body
             r_pos += range(len(prompt), len(prompt) + len(body))

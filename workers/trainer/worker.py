@@ -83,6 +83,8 @@ from areal_aio.workers.trainer.microbatch import (
     MicroBatch,
     check_samples,
     plan_micro_batches,
+    trained,
+    trained_count,
 )
 
 HEAD_CHECK_ATOL = 1e-4
@@ -410,7 +412,7 @@ class Trainer:
         n_mini = min(self.cfg.minibatches, len(samples))
         bounds = [round(k * len(samples) / n_mini) for k in range(n_mini + 1)]
         mine = [self._micro_batches(samples, lo, hi, adv) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-        totals = [sum(len(samples[i].completion_ids) for i in range(lo, hi))
+        totals = [sum(trained_count(samples[i]) for i in range(lo, hi))
                   for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
         return mine, totals
 
@@ -465,7 +467,7 @@ class Trainer:
             behav = prox_all = zero.new_zeros(0)
         # tokens sampled by the weights prox was computed with (this version, not yet
         # advanced), in the order of behav / prox
-        versions = [v for mb in mbs for i in mb.index for v in samples[i].versions]
+        versions = [samples[i].versions[j] for mb in mbs for i in mb.index for j in trained(samples[i])]
         own = [k for k, v in enumerate(versions) if v == self.version]
         w = torch.exp(prox_all - behav)
         capped = (w > cfg.behav_cap) if objective == "decoupled_ppo" else torch.zeros_like(w, dtype=torch.bool)

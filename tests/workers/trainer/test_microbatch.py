@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from areal_aio import wire
 from areal_aio.workers.trainer.microbatch import (
     build_micro_batch,
     build_packed_micro_batch,
+    check_samples,
     group_row_length,
     plan_micro_batches,
     prompt_groups,
@@ -86,3 +88,34 @@ def test_plans_keep_the_budget_on_computed_positions_and_cover_every_sample() ->
     one = plan_micro_batches(samples, 0, len(samples), adv, packed=True, max_tokens=10**6,
                              pad_id=PAD, device="cpu")[0]
     assert one.computed == len(groups) * max(group_row_length(samples, g) for g in groups)
+
+
+def test_a_loss_mask_keeps_tool_turns_in_the_row_and_out_of_the_targets() -> None:
+    """An episode: reply 21 22 | tool turn 91 92 93 | reply 23 24. Every token is in the row
+    (the context); only the replies are targets, each predicted from the position before it."""
+    prompt = [11, 12, 13]
+    ids = [21, 22, 91, 92, 93, 23, 24]
+    mask = [1, 1, 0, 0, 0, 1, 1]
+    nan = float("nan")  # placeholders: a read would poison behav
+    ep = wire.TrainSample(prompt, ids, [-0.1, -0.2, nan, nan, nan, -0.3, -0.4], [3, 3, -7, -7, -7, 4, 4],
+                          1.0, 0, loss_mask=mask)
+    other = sample(prompt, [31, 32])
+    packed = build_packed_micro_batch([ep, other], [[0, 1]], torch.tensor([2.0, -1.0]), PAD, "cpu")
+    assert packed.input_ids.tolist() == [[11, 12, 13, 21, 22, 91, 92, 93, 23, 31]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 8, 3]]
+    assert packed.targets.tolist() == [21, 22, 23, 24, 31, 32]
+    assert packed.gather.tolist() == [2, 3, 7, 8, 2, 9]  # 23 from 93 (the turn's last), 24 from 23
+    assert packed.behav.tolist() == pytest.approx([-0.1, -0.2, -0.3, -0.4, -1.0, -1.0])
+    assert packed.adv.tolist() == [2.0] * 4 + [-1.0] * 2 and packed.tokens == 6
+    flat = build_micro_batch([ep, other], [0, 1], torch.tensor([2.0, -1.0]), PAD, "cpu")
+    width = flat.input_ids.shape[1]
+    assert flat.input_ids[0].tolist() == prompt + ids
+    assert flat.targets.tolist() == packed.targets.tolist()
+    assert flat.gather.tolist() == [2, 3, 7, 8, width + 2, width + 3]
+    assert torch.equal(flat.behav, packed.behav)
+
+
+def test_a_loss_mask_of_the_wrong_length_is_refused() -> None:
+    bad = wire.TrainSample([1], [2, 3], [0.0, 0.0], [0, 0], 0.0, 0, loss_mask=[1])
+    with pytest.raises(ValueError, match="loss mask"):
+        check_samples([bad])

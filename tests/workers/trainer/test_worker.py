@@ -468,3 +468,57 @@ def test_bf16_auto_follows_the_hardware() -> None:
     assert bf16_autocast("on", "cpu") and not bf16_autocast("off", "cpu")
     # auto on a CPU: exactly oneDNN's own answer to "are bf16 matmuls native here?"
     assert bf16_autocast("auto", "cpu") == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+# ---- episodes: a loss mask over completion_ids ---------------------------------------------------
+
+def episode_samples(batch: list[wire.TrainSample], tok: Any, nan: bool) -> list[wire.TrainSample]:
+    """Each sample as an episode: its first 4 tokens a reply, then a tool turn (the chat
+    template's own ids, mask 0, placeholder logprobs: NaN when `nan`), then the rest a reply."""
+    from areal_aio.workers.models import encode_turns
+
+    turn = encode_turns(tok, [{"role": "tool", "content": "7"}], closed=False)
+    out = []
+    for s in batch:
+        ids = s.completion_ids[:4] + turn + s.completion_ids[4:]
+        filler = float("nan") if nan else 0.0
+        logprobs = s.logprobs[:4] + [filler] * len(turn) + s.logprobs[4:]
+        versions = s.versions[:4] + [s.versions[3]] * len(turn) + s.versions[4:]
+        mask = [1] * 4 + [0] * len(turn) + [1] * (len(s.completion_ids) - 4)
+        out.append(dataclasses.replace(s, completion_ids=ids, logprobs=logprobs, versions=versions,
+                                       loss_mask=mask))
+    return out
+
+
+@pytest.mark.parametrize("share", ["on", "off"])
+def test_tool_turns_get_no_loss_and_no_gradient(tmp_path, batch, share) -> None:
+    """The masked forward gives the trained tokens exactly the log-probs of the unmasked one
+    (the tool turn is context), its gradient is the gradient of the trained tokens alone, and
+    an update never reads a placeholder (NaN there would poison loss and weights)."""
+    trainer = make_trainer(tmp_path / "a", f"trainer.share_prompts={share}")
+    episodes = episode_samples(batch, trainer.tokenizer, nan=True)
+    whole = [dataclasses.replace(s, loss_mask=None, logprobs=[0.0] * len(s.logprobs)) for s in episodes]
+    adv = torch.ones(len(episodes))
+    plan = dict(lo=0, hi=len(episodes), adv=adv)
+    [masked] = trainer._micro_batches(episodes, **plan)
+    [full] = trainer._micro_batches(whole, **plan)
+    keep = torch.tensor([bool(m) for s in episodes for m in s.loss_mask])  # [T of full]
+    assert masked.tokens == int(keep.sum()) == sum(len(s.completion_ids) for s in batch) < full.tokens
+    assert torch.equal(masked.targets, full.targets[keep])
+
+    def grads(mb):
+        trainer.model.zero_grad(set_to_none=True)
+        logp = trainer._forward(trainer.model, mb)[0]
+        (logp[keep] if mb is full else logp).sum().backward()
+        return logp.detach(), [p.grad.clone() for p in trainer.params]
+
+    lp_masked, g_masked = grads(masked)
+    lp_full, g_full = grads(full)
+    assert torch.allclose(lp_masked, lp_full[keep], atol=1e-6)
+    for a, b in zip(g_masked, g_full, strict=True):
+        assert torch.allclose(a, b, atol=1e-6 * max(1.0, float(b.abs().max())))
+    trainer.model.zero_grad(set_to_none=True)
+    reply = trainer.train(wire.Train(step=0, version=0, samples=episodes))
+    assert reply.stats["tokens"] == int(keep.sum())
+    assert all(value is None or value == value for value in reply.stats.values())  # no NaN anywhere
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())

@@ -1,0 +1,94 @@
+"""task.name = calculator: arithmetic problems trained as episodes with a calculator tool.
+
+The problems are the arithmetic task's (tasks/arithmetic.py), with an instruction that offers
+the tool. The episode (areal_aio/control/episodes.py): the model replies; while a reply calls
+the calculator (`<calc>expression</calc>`, no <answer> yet) and replies are left, the episode
+adds the value as a "tool" turn and asks for the next reply. It returns None: task.reward (the
+answer reward) scores the last reply.
+
+The expression is the model's text: it is parsed with `ast` and only numbers, + - * / and
+parentheses are evaluated, by this module's own walk of the tree (exact fractions); nothing
+the model writes is ever given to eval or exec.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+from areal_aio.tasks.task import Task
+
+if TYPE_CHECKING:
+    from areal_aio.control.episodes import Model
+
+CALCULATOR_INSTRUCTION = ("You may use a calculator: write <calc>expression</calc> (numbers, + - * / "
+                          "and parentheses) and its value comes back. Give only the final answer "
+                          "inside <answer></answer> tags.")
+CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+MAX_EXPRESSION = 200
+"""Characters of an expression the calculator takes: bounds the parse and the numbers' size."""
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+        ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+
+
+class CalcError(ValueError):
+    """An expression the calculator does not take (what the tool turn says instead of a value)."""
+
+
+def evaluate(expression: str) -> Fraction:
+    """The exact value of `expression`: numbers, + - * /, unary + and -, parentheses. CalcError
+    for anything else (names, calls, powers, ...), for division by zero and for overlong input."""
+    text = expression.strip()
+    if not text:
+        raise CalcError("empty expression")
+    if len(text) > MAX_EXPRESSION:
+        raise CalcError(f"longer than {MAX_EXPRESSION} characters")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise CalcError("not an arithmetic expression") from None
+    try:
+        return _value(tree.body)
+    except CalcError:
+        raise
+    except (ValueError, OverflowError):  # a literal such as 1e999: inf has no exact value
+        raise CalcError("not a finite number") from None
+    except ZeroDivisionError:
+        raise CalcError("division by zero") from None
+    except RecursionError:
+        raise CalcError("nested too deeply") from None
+
+
+def _value(node: ast.AST) -> Fraction:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return Fraction(str(node.value))  # the literal as written: 0.1 is 1/10
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_value(node.left), _value(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        value = _value(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    raise CalcError("only numbers, + - * / and parentheses")
+
+
+def calculate(expression: str) -> str:
+    """The tool's answer: the value (an integer when it is one, else up to 10 significant
+    digits), or "error: why"."""
+    try:
+        value = evaluate(expression)
+    except CalcError as exc:
+        return f"error: {exc}"
+    if value.denominator == 1:
+        return str(value.numerator)
+    return f"{float(value):.10g}"
+
+
+async def episode(task: Task, model: Model) -> None:
+    """Reply; while the reply calls the calculator and gives no answer yet, answer the call as a
+    tool turn and reply again (at most task.episode_turns replies). task.reward scores the last."""
+    text = await model.reply()
+    while (call := CALL.search(text)) and "<answer>" not in text and model.replies_left:
+        model.add_turn("tool", calculate(call.group(1)))
+        text = await model.reply()
+    return None

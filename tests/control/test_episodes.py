@@ -1,0 +1,354 @@
+"""Multi-turn episodes (control/episodes.py) against the fake workers: the one sequence an episode
+trains (exact ids, mask, log-probs, versions), staleness over trained tokens, bounds and failures
+(scored 0, counted), stop and cancel mid-episode, restarts, resume; the README's example on the
+real workers (slow)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import orjson
+import pytest
+
+from areal_aio import wire
+from areal_aio.control import episodes
+from areal_aio.control.controller import Orchestrator
+from areal_aio.fleet.fakes import FakeRollout, FakeTrainer, prompt_ids
+from areal_aio.settings import SettingsError, build_settings
+from areal_aio.store import checkpoint
+from tests.conftest import make_settings, orchestrator, tasks
+
+TOOL_TEXT = "7"
+
+
+class ReplyRollout(FakeRollout):
+    """Reply k of an episode (its request id ends in .r<k>) has ids 100k + j and log-prob
+    -(k + 1 + j / 10) for token j: every trained token is told apart from every other."""
+
+    def _completion(self, rid, versions, finish, text=""):
+        msg = super()._completion(rid, versions, finish, text)
+        k = int(rid.split(".r")[1].split("~")[0]) if ".r" in rid else 0
+        n = len(msg.completion_ids)
+        return wire.Completion(msg.request_id, msg.prompt_ids, [100 * k + j for j in range(n)],
+                               [-(k + 1 + j / 10) for j in range(n)], msg.versions, msg.text,
+                               msg.finish, msg.interrupts, msg.gen_s)
+
+
+class Jittery(ReplyRollout):
+    def __init__(self, seed: int, **kw) -> None:
+        super().__init__(**kw)
+        self.rng = random.Random(seed)
+
+    def token_delay(self, request_id):
+        return self.rng.choice([0.0, 0.0005, 0.002, 0.005])
+
+
+async def two_replies(task, model) -> float:
+    """One tool turn between two replies; the reward: the first reply's length parity."""
+    first = await model.reply()
+    model.add_turn("tool", TOOL_TEXT)
+    await model.reply()
+    return float(len(first) % 2)
+
+
+def rows(folder, kind="train"):
+    return [r for r in (orjson.loads(x) for x in (folder / "samples.jsonl").read_bytes().splitlines())
+            if r["kind"] == kind]
+
+
+def trained_staleness(trainer: FakeTrainer) -> list[int]:
+    return [b.version - min(v for v, m in zip(s.versions, s.loss_mask, strict=True) if m)
+            for b in trainer.batches for s in b.samples]
+
+
+async def test_an_episode_trains_one_sequence_with_exact_mask_logprobs_and_versions(tmp_path):
+    trainer = FakeTrainer()
+    settings = make_settings("sync", **{"run.max_steps": 2})
+    summary = await orchestrator(tmp_path, settings, rollout=ReplyRollout(tokens=3), trainer=trainer,
+                                 episode=two_replies).run()
+    assert summary["steps"] == 2 and summary["episode_failures"] == 0
+    sample = trainer.batches[1].samples[0]
+    turn = list(f"<tool>{TOOL_TEXT}\n<assistant>".encode())  # the fake's rendering of the tool turn
+    assert sample.completion_ids == [0, 1, 2, *turn, 100, 101, 102]
+    assert sample.loss_mask == [1, 1, 1, *[0] * len(turn), 1, 1, 1]
+    trained = [lp for lp, m in zip(sample.logprobs, sample.loss_mask, strict=True) if m]
+    assert trained == [-1.0, -1.1, -1.2, -2.0, -2.1, -2.2]  # each reply's own, in order
+    assert [v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m] == [1] * 6  # sync: v1 made them
+    prompt = bytes(sample.prompt_ids).decode()  # the task templated once, shared by its group
+    assert prompt.startswith("<user>Calculate") and prompt.endswith("\n<assistant>")
+    assert trainer.batches[1].samples[1].prompt_ids == sample.prompt_ids
+    row = rows(tmp_path / "run")[-1]
+    assert [(t["role"], t["trained"]) for t in row["turns"]] == [("assistant", True), ("tool", False),
+                                                              ("assistant", True)]
+    assert [t["tokens"] for t in row["turns"]] == [3, len(turn), 3] and row["tokens"] == 6 + len(turn)
+    assert summary["trained_tokens"] == 2 * 4 * 6  # the tool turns are context, not trained
+
+
+async def test_later_replies_carry_the_exact_ids_so_far_and_only_the_new_turns(tmp_path):
+    sent: list[wire.Generate] = []
+
+    class Watching(ReplyRollout):
+        async def send(self, msg):
+            if isinstance(msg, wire.Generate) and msg.request_id.startswith("g0.0"):
+                sent.append(msg)
+            await super().send(msg)
+
+    async def three(task, model):
+        await model.reply()
+        model.add_turn("tool", "a")
+        model.add_turn("user", "b")
+        await model.reply()
+        await model.reply()  # no turn between: the exact ids, then a new assistant turn
+
+    await orchestrator(tmp_path, make_settings("sync", **{"run.max_steps": 1, "task.episode_turns": 3}),
+                       rollout=Watching(tokens=2), episode=three).run()
+    assert [m.request_id for m in sent] == ["g0.0.r0", "g0.0.r1", "g0.0.r2"]
+    assert sent[0].context_ids is None and sent[0].append is None
+    p = prompt_ids(sent[0])
+    assert sent[1].context_ids == p + [0, 1]
+    assert sent[1].append == [{"role": "tool", "content": "a"}, {"role": "user", "content": "b"}]
+    turns = list(b"<tool>a\n<user>b\n<assistant>")
+    assert sent[2].context_ids == p + [0, 1, *turns, 100, 101] and sent[2].append is None
+    assert len({m.seed for m in sent}) == 3  # each reply its own draws
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
+async def test_staleness_bound_holds_over_multi_turn_episodes(tmp_path, eta, seed):
+    trainer = FakeTrainer(step_delay_s=0.003)
+    settings = make_settings("areal", **{"controller.max_staleness": eta, "run.max_steps": 8})
+    summary = await orchestrator(tmp_path, settings, rollout=Jittery(seed, tokens=3), trainer=trainer,
+                                 episode=two_replies).run()
+    assert summary["steps"] == 8
+    ages = trained_staleness(trainer)
+    assert max(ages) <= eta and summary["max_staleness_trained"] == max(ages)
+    # interrupting updates: some episode's replies were made by more than one version
+    spans = [{v for v, m in zip(s.versions, s.loss_mask, strict=True) if m}
+             for b in trainer.batches for s in b.samples]
+    assert eta == 0 or any(len(v) > 1 for v in spans)
+
+
+@pytest.mark.parametrize("how", ["raises", "hangs", "too_many_replies", "not_a_reward"])
+async def test_an_episode_that_fails_scores_zero_and_is_counted(tmp_path, how):
+    async def episode(task, model):
+        await model.reply()
+        if int(task.id[1:]) % 2:  # odd tasks fail, even ones return 1
+            if how == "raises":
+                raise ValueError("tool broke")
+            if how == "hangs":
+                await asyncio.sleep(3600)
+            if how == "too_many_replies":
+                while True:
+                    await model.reply()
+            return "yes"
+        return 1.0
+
+    settings = make_settings("sync", **{"run.max_steps": 2, "task.episode_timeout_s": 0.2,
+                                        "task.episode_turns": 2})
+    summary = await asyncio.wait_for(orchestrator(tmp_path, settings, episode=episode).run(), 30)
+    trained = rows(tmp_path / "run")
+    failed = [r for r in trained if int(r["task_id"][1:]) % 2]
+    assert summary["steps"] == 2 and failed and len(failed) == len(trained) / 2
+    assert all(r["reward"] == 0.0 and r["reward_failed"] for r in failed)
+    assert all(r["reward"] == 1.0 and not r["reward_failed"] for r in trained if r not in failed)
+    assert summary["episode_failures"] >= len(failed)
+    if how == "too_many_replies":
+        assert all(len(r["turns"]) == 2 for r in failed)  # task.episode_turns replies, then the limit
+    events = [orjson.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_bytes().splitlines()]
+    assert any(e["event"] == "episode_failed" for e in events)
+
+
+async def test_the_token_bound_caps_each_reply_and_ends_the_episode(tmp_path):
+    async def keeps_talking(task, model):
+        while True:
+            await model.reply()
+            model.add_turn("tool", "more")
+
+    turn = len(b"<tool>more\n<assistant>")
+    trainer = FakeTrainer()
+    settings = make_settings("sync", **{"run.max_steps": 1, "task.episode_tokens": 4 + turn + 1,
+                                        "task.episode_turns": 10})
+    summary = await orchestrator(tmp_path, settings, rollout=ReplyRollout(tokens=4), trainer=trainer,
+                                 episode=keeps_talking).run()
+    assert summary["episode_failures"] == 4 and summary["steps"] == 1
+    for s in trainer.batches[0].samples:  # the second reply got the one token left, then the limit
+        assert [c for c, m in zip(s.completion_ids, s.loss_mask, strict=True) if m] == [0, 1, 2, 3, 100]
+        assert len(s.completion_ids) == 4 + turn + 1  # exactly task.episode_tokens
+    assert [t["tokens"] for t in rows(tmp_path / "run")[0]["turns"]] == [4, turn, 1, 0]
+
+
+async def test_turns_that_fill_the_token_bound_end_the_episode(tmp_path):
+    async def long_tool(task, model):
+        await model.reply()
+        model.add_turn("tool", "x" * 50)  # more than the bound leaves
+        await model.reply()
+        return 1.0
+
+    settings = make_settings("sync", **{"run.max_steps": 1, "task.episode_tokens": 30})
+    summary = await orchestrator(tmp_path, settings, rollout=ReplyRollout(tokens=4), episode=long_tool).run()
+    assert summary["episode_failures"] == 4 and summary["steps"] == 1
+    assert all(r["reward_failed"] and [t["trained"] for t in r["turns"]] == [True, False, True]
+               and r["turns"][2]["tokens"] == 0 for r in rows(tmp_path / "run"))
+
+
+async def test_an_episode_without_a_reply_drops_its_group_and_counts_it(tmp_path):
+    async def episode(task, model):
+        if task.id == "t1":
+            return 1.0
+        await model.reply()
+
+    summary = await orchestrator(tmp_path, make_settings("sync", **{"run.max_steps": 2}), episode=episode).run()
+    assert summary["steps"] == 2 and summary["samples_dropped_episode"] == 2
+    trained = [r for r in rows(tmp_path / "run") if r["dropped"] is None]
+    assert "t1" not in {r["task_id"] for r in trained} and {"t0", "t2"} <= {r["task_id"] for r in trained}
+    assert [r["task_id"] for r in rows(tmp_path / "run") if r["dropped"] == "episode"] == ["t1", "t1"]
+
+
+async def test_returning_none_lets_task_reward_score_the_last_reply(tmp_path):
+    async def episode(task, model):
+        await model.reply()
+        model.add_turn("tool", "42")
+        await model.reply()
+
+    trainer = FakeTrainer()
+    summary = await orchestrator(tmp_path, make_settings("sync", **{"run.max_steps": 6}),
+                                 episode=episode, trainer=trainer).run()
+    # the fake policy answers correctly from version 2 on: the answer reward sees the last reply
+    assert summary["steps"] == 6 and trainer.batches[-1].samples[0].reward > 0
+    assert trainer.batches[0].samples[0].reward == 0
+
+
+async def test_a_stop_mid_episode_cancels_every_episode_and_ends(tmp_path):
+    started = asyncio.Event()
+
+    async def waits_for_a_tool(task, model):
+        await model.reply()
+        started.set()
+        await asyncio.Event().wait()  # a tool that never answers
+
+    orch = orchestrator(tmp_path, make_settings("areal", **{"run.max_steps": 5, "task.episode_timeout_s": 3600}),
+                        episode=waits_for_a_tool)
+    run = asyncio.create_task(orch.run())
+    await asyncio.wait_for(started.wait(), 10)
+    orch.stop()
+    summary = await asyncio.wait_for(run, 10)
+    assert summary["ended"] == "stopped" and summary["steps"] == 0
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("episode-")]
+
+
+async def test_a_cancel_mid_reply_leaves_no_episode_task(tmp_path):
+    orch = orchestrator(tmp_path, make_settings("areal", **{"run.max_steps": 1000}),
+                        rollout=ReplyRollout(tokens=50, token_delay_s=0.001), episode=two_replies)
+    run = asyncio.create_task(orch.run())
+    while orch.step < 2:
+        assert not run.done()
+        await asyncio.sleep(0.002)
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(run, 10)
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("episode-")]
+    assert orjson.loads((tmp_path / "run" / "summary.json").read_bytes())["ended"] == "interrupted"
+
+
+async def test_restart_on_interrupt_resubmits_the_reply_not_the_episode(tmp_path):
+    trainer = FakeTrainer(step_delay_s=0.002)
+    settings = make_settings("areal", **{"controller.on_interrupt": "restart", "controller.max_retries": 50,
+                                         "run.max_steps": 6})
+    summary = await orchestrator(tmp_path, settings, rollout=ReplyRollout(tokens=4, token_delay_s=0.001),
+                                 trainer=trainer, episode=two_replies).run()
+    assert summary["steps"] == 6 and summary["restarts"] > 0
+    for b in trainer.batches:
+        for s in b.samples:  # whatever was restarted, the sequence is two whole replies and the turn
+            assert [c for c, m in zip(s.completion_ids, s.loss_mask, strict=True) if m] == [0, 1, 2, 3,
+                                                                                            100, 101, 102, 103]
+
+
+async def test_resume_runs_the_episodes_in_flight_again(tmp_path):
+    folder = tmp_path / "r"
+    settings = make_settings("areal", **{"run.checkpoint_every": 3, "run.max_steps": 3})
+    await Orchestrator(settings, tasks=tasks(), eval_set=list(tasks(4, start=100)), out_dir=folder,
+                       rollout=FakeRollout(), trainer=FakeTrainer(), episode=two_replies).run()
+    state = checkpoint.latest(folder).state
+    assert state["open_groups"]
+    rollout = FakeRollout()
+    summary = await Orchestrator(make_settings("areal", **{"run.checkpoint_every": 3, "run.max_steps": 5}),
+                                 tasks=tasks(), eval_set=list(tasks(4, start=100)), resume=folder,
+                                 rollout=rollout, trainer=FakeTrainer(), episode=two_replies).run()
+    first = [rid for _, what, rid in rollout.log if what == "generate" and rid.startswith("g")]
+    expected = {f"g{g['group']}.{i}.r0" for g in state["open_groups"] for i in range(2)}
+    assert expected <= set(first[:2 * len(expected)])  # the episodes in flight start again, first
+    assert summary["steps"] == 5 and summary["lost_in_flight"] == len(expected)
+
+
+async def test_task_name_calculator_runs_the_calculator_episode(tmp_path):
+    """The fake model calls the calculator first, then answers with the value it was given."""
+    seen: list[wire.Generate] = []
+
+    def calls(prompt, version):
+        a, b = (int(x) for x in prompt.split("Calculate ")[1].split(".")[0].split(" + "))
+        return f"<calc>{a} + {b}</calc>"
+
+    def answers(msg, version):
+        seen.append(msg)
+        return f"<answer>{msg.append[0]['content']}</answer>"
+
+    trainer = FakeTrainer()
+    summary = await orchestrator(tmp_path, make_settings("sync", **{"task.name": "calculator", "run.max_steps": 2}),
+                                 rollout=FakeRollout(policy=calls, continuation=answers), trainer=trainer).run()
+    assert summary["steps"] == 2 and summary["episode_failures"] == 0
+    assert all(m.append[0]["role"] == "tool" for m in seen)
+    trained = rows(tmp_path / "run")
+    assert all(r["pass"] and r["reward"] > 1 for r in trained)  # right and tagged: the answer reward
+    assert all(r["turns"][1]["text"] == r["answer"] for r in trained)
+    assert all(s.loss_mask.count(0) > 0 for b in trainer.batches for s in b.samples)
+
+
+def test_task_episode_is_checked_like_task_reward(tmp_path):
+    with pytest.raises(SettingsError, match="process.mode"):
+        Orchestrator(make_settings(**{"task.name": "calculator", "process.mode": "outcome"}), tasks=tasks(),
+                     eval_set=list(tasks(4)), out_dir=tmp_path / "run", rollout=FakeRollout(),
+                     trainer=FakeTrainer())
+    with pytest.raises(SettingsError, match="task.episode"):
+        build_settings({}, ["task.episode=not a spec"])
+    settings = build_settings({}, ["task.episode=areal_aio.tasks.calculator:calculate"])
+    with pytest.raises(SettingsError, match="task.episode: .* not an async function"):
+        episodes.load_episode(settings.task.episode)
+    with pytest.raises(SettingsError, match="task.episode: cannot import 'no_such_module'"):
+        episodes.load_episode("no_such_module:episode")
+    assert episodes.episode_spec(build_settings({}, ["task.name=calculator"])) == episodes.CALCULATOR
+    assert episodes.episode_spec(build_settings({}, [])) == ""
+    assert episodes.load_episode(episodes.CALCULATOR).__name__ == "episode"
+
+
+async def test_a_turn_before_the_first_reply_is_refused(tmp_path):
+    async def early(task, model):
+        model.add_turn("tool", "x")
+
+    summary = await orchestrator(tmp_path, make_settings("sync", **{"run.max_steps": 1}),
+                                 tasks=tasks(8), episode=early).run()
+    assert summary["episode_failures"] == 16 and summary["steps"] == 0  # 8 tasks x 2: none trainable
+
+
+# ---------------------------------------------------------------- real workers
+
+
+@pytest.mark.slow
+async def test_episodes_train_on_the_real_workers(tmp_path):
+    """tiny-random in both subprocesses: every episode has a tool turn between two replies, in
+    areal mode (interrupting updates); the trained tokens are exactly the replies'."""
+    settings = build_settings({}, ["model.path=embedded:tiny-random", "run.max_steps=3", "run.progress=false",
+                                   "rollout.group_size=2", "trainer.batch_size=4", "rollout.max_new_tokens=6",
+                                   "task.eval_size=2", "task.eval_every=3", "controller.reward_procs=0",
+                                   "run.checkpoint_every=0"])
+    orch = Orchestrator(settings, tasks=tasks(), episode=two_replies, out_dir=tmp_path / "run")
+    summary = await asyncio.wait_for(orch.run(), 300)
+    assert summary["steps"] == 3 and summary["episode_failures"] == 0, summary.get("error")
+    trained = [r for r in rows(tmp_path / "run") if r["dropped"] is None and r["step"] is not None]
+    assert len(trained) == 12
+    for r in trained:
+        assert [(t["role"], t["trained"]) for t in r["turns"]] == [("assistant", True), ("tool", False),
+                                                                  ("assistant", True)]
+        assert r["tokens"] == sum(t["tokens"] for t in r["turns"]) and r["turns"][1]["tokens"] > 0
+    replies = sum(t["tokens"] for r in trained for t in r["turns"] if t["trained"])
+    assert summary["trained_tokens"] == replies

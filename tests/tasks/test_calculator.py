@@ -1,0 +1,80 @@
+"""tasks/calculator.py: the calculator evaluates arithmetic only (parsed, never executed), and its
+episode answers a call with a tool turn and stops at an answer or at the reply limit."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from areal_aio.control.episodes import Bounds, Model
+from areal_aio.settings import build_settings
+from areal_aio.tasks import calculator
+from areal_aio.tasks.calculator import MAX_EXPRESSION, CalcError, calculate, evaluate
+from areal_aio.tasks.sources import eval_tasks, training_tasks
+from areal_aio.tasks.task import Task
+
+
+@pytest.mark.parametrize("expression,value", [
+    ("1+2", 3), ("6 * 7", 42), ("(2 + 3) * 4", 20), ("2 + 3 * 4", 14), ("7 / 2", Fraction(7, 2)),
+    ("-3 + +5", 2), ("0.1 + 0.2", Fraction(3, 10)), ("((((1))))", 1), (" 10 - 4 - 3 ", 3),
+])
+def test_arithmetic_is_evaluated_exactly(expression, value):
+    assert evaluate(expression) == value
+
+
+@pytest.mark.parametrize("expression", [
+    "__import__('os').system('true')", "open('/etc/passwd')", "x + 1", "2 ** 64", "9 // 2", "7 % 3",
+    "(lambda: 1)()", "[1, 2]", "'a' * 3", "True + 1", "1j * 2", "1 if 1 else 2", "1 < 2", "a.b",
+    "", "1 +", "1e999", "1e999 - 1e999", "(" * 300 + "1" + ")" * 300, "1" * (MAX_EXPRESSION + 1),
+])
+def test_anything_but_arithmetic_is_refused(expression):
+    with pytest.raises(CalcError):
+        evaluate(expression)
+
+
+def test_the_tool_answers_values_and_errors_as_text():
+    assert calculate("6*7") == "42" and calculate("1/3") == "0.3333333333" and calculate("4/2") == "2"
+    assert calculate("1/0") == "error: division by zero"
+    assert calculate("os.getcwd()") == "error: only numbers, + - * / and parentheses"
+
+
+class Scripted:
+    """A stand-in for the rollout side: answers each Generate with the next scripted text."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = list(texts)
+        self.appended: list = []
+
+    async def __call__(self, sent, append, limit, room):
+        from areal_aio import wire
+
+        self.appended.append(append)
+        text = self.texts.pop(0)
+        ids = [len(self.appended)] * 2
+        return wire.Completion("r", [9] if sent is None else sent + [5], ids, [-0.5, -0.5], [0, 0], text,
+                               "stop", 0, 0.0)
+
+
+@pytest.mark.parametrize("texts,turns,tools", [
+    (["<answer>5</answer>"], 1, []),
+    (["<calc>2+3</calc>", "<answer>5</answer>"], 2, ["5"]),
+    (["<calc>2+3</calc>", "<calc>1/0</calc>", "<calc>9</calc>"], 3, ["5", "error: division by zero"]),
+    (["<calc>2+3</calc> so <answer>5</answer>"], 1, []),
+])
+async def test_the_episode_answers_calls_until_an_answer_or_the_reply_limit(texts, turns, tools):
+    script = Scripted(texts)
+    model = Model(Bounds(turns=3, tokens=100, timeout_s=1.0, max_new_tokens=8), script)
+    assert await calculator.episode(Task("t", "What is 2 + 3?", "5"), model) is None
+    assert model.replies == turns
+    assert [a[0]["content"] for a in script.appended if a] == tools
+    assert all(a[0]["role"] == "tool" for a in script.appended if a)
+
+
+def test_calculator_tasks_offer_the_tool_and_the_eval_asks_for_a_direct_answer():
+    settings = build_settings({}, ["task.name=calculator", "task.eval_size=3"])
+    first = next(iter(training_tasks(settings)))
+    assert "<calc>expression</calc>" in first.prompt and first.answer
+    plain = next(iter(training_tasks(build_settings({}, []))))
+    assert plain.id == first.id and plain.answer == first.answer  # the same problems
+    assert all("<calc>" not in t.prompt for t in eval_tasks(settings))
