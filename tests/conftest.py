@@ -5,6 +5,7 @@ miniature. Tests import these from here (`from tests.conftest import ...`), neve
 from __future__ import annotations
 
 import os
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -229,3 +230,30 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+class ScriptedReplies:
+    """The rollout side of an episode's `Model`, scripted: answers each reply with the next of
+    `texts` (two tokens, ids numbered by the reply) and records the turns each reply carried."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = list(texts)
+        self.appended: list = []
+
+    async def __call__(self, sent, append, limit, room):
+        self.appended.append(append)
+        ids = [len(self.appended)] * 2
+        return wire.Completion("r", [9] if sent is None else sent + [5], ids, [-0.5, -0.5], [0, 0],
+                               self.texts.pop(0), "stop", 0, 0.0)
+
+
+class Jitter:
+    """Mixed into a fake rollout: each request sleeps a random time per token (seeded), so
+    groups finish out of order."""
+
+    def __init__(self, seed: int, **kw) -> None:
+        super().__init__(**kw)
+        self.rng = random.Random(seed)
+
+    def token_delay(self, request_id):
+        return self.rng.choice([0.0, 0.0005, 0.002, 0.006])

@@ -18,6 +18,16 @@ def block_after(marker: str) -> str:
     return match.group(1)
 
 
+def run_example(folder, marker: str) -> subprocess.CompletedProcess:
+    """The Python example after `marker`, run as a script in `folder` beside settings.toml;
+    it must exit 0."""
+    (folder / "example.py").write_text(block_after(marker))
+    shutil.copy(ROOT / "settings.toml", folder / "settings.toml")
+    done = subprocess.run([sys.executable, "example.py"], cwd=folder, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def test_readme_has_both_commands_and_ci_runs_the_test_one():
     assert "python -m areal_aio run settings.toml" in README
     test_cmd = block_after("<!-- test-command -->").strip()
@@ -31,11 +41,7 @@ def test_readme_has_both_commands_and_ci_runs_the_test_one():
 
 @pytest.mark.slow
 def test_embedding_example_runs(tmp_path):
-    (tmp_path / "example.py").write_text(block_after("<!-- embed-example -->"))
-    shutil.copy(ROOT / "settings.toml", tmp_path / "settings.toml")
-    done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_example(tmp_path, "<!-- embed-example -->")
     assert "step 3: reward" in done.stdout and "trained 3 steps" in done.stdout
     assert (tmp_path / "runs" / "embedded-demo" / "summary.json").exists()
 
@@ -45,11 +51,7 @@ def test_episode_example_runs(tmp_path):
     """The multi-turn example: a calculator episode trained on tiny-random, its rows with turns."""
     import orjson
 
-    (tmp_path / "example.py").write_text(block_after("<!-- episode-example -->"))
-    shutil.copy(ROOT / "settings.toml", tmp_path / "settings.toml")
-    done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_example(tmp_path, "<!-- episode-example -->")
     assert "trained 2 steps; 0 episodes failed" in done.stdout
     samples = [orjson.loads(x) for x in (tmp_path / "runs" / "episode-demo" / "samples.jsonl")
                .read_bytes().splitlines()]

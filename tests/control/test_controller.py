@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 
 import orjson
 import pytest
@@ -16,18 +15,11 @@ from areal_aio.control.trainer_link import TrainerLink
 from areal_aio.fleet.client import WorkerFailed
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
 from areal_aio.settings import build_settings
-from tests.conftest import WORKERS, make_settings, orchestrator, rollouts, tasks
+from tests.conftest import WORKERS, Jitter, make_settings, orchestrator, rollouts, tasks
 
 
-class JitteryRollout(FakeRollout):
+class JitteryRollout(Jitter, FakeRollout):
     """Each request sleeps a random time per token: groups finish out of order."""
-
-    def __init__(self, seed: int, **kw) -> None:
-        super().__init__(**kw)
-        self.rng = random.Random(seed)
-
-    def token_delay(self, request_id):
-        return self.rng.choice([0.0, 0.0005, 0.002, 0.006])
 
 
 def merged_log(fakes: list[FakeRollout]) -> list[tuple]:

@@ -6,7 +6,6 @@ real workers (slow)."""
 from __future__ import annotations
 
 import asyncio
-import random
 
 import orjson
 import pytest
@@ -17,7 +16,7 @@ from areal_aio.control.controller import Orchestrator
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer, prompt_ids
 from areal_aio.settings import SettingsError, build_settings
 from areal_aio.store import checkpoint
-from tests.conftest import make_settings, orchestrator, tasks
+from tests.conftest import Jitter, make_settings, orchestrator, tasks
 
 TOOL_TEXT = "7"
 
@@ -35,13 +34,8 @@ class ReplyRollout(FakeRollout):
                                msg.finish, msg.interrupts, msg.gen_s)
 
 
-class Jittery(ReplyRollout):
-    def __init__(self, seed: int, **kw) -> None:
-        super().__init__(**kw)
-        self.rng = random.Random(seed)
-
-    def token_delay(self, request_id):
-        return self.rng.choice([0.0, 0.0005, 0.002, 0.005])
+class Jittery(Jitter, ReplyRollout):
+    """Each request sleeps a random time per token: groups finish out of order."""
 
 
 async def two_replies(task, model) -> float:

@@ -13,6 +13,7 @@ from areal_aio.tasks import calculator
 from areal_aio.tasks.calculator import MAX_EXPRESSION, CalcError, calculate, evaluate
 from areal_aio.tasks.sources import eval_tasks, training_tasks
 from areal_aio.tasks.task import Task
+from tests.conftest import ScriptedReplies
 
 
 @pytest.mark.parametrize("expression,value", [
@@ -39,21 +40,6 @@ def test_the_tool_answers_values_and_errors_as_text():
     assert calculate("os.getcwd()") == "error: only numbers, + - * / and parentheses"
 
 
-class Scripted:
-    """A stand-in for the rollout side: answers each Generate with the next scripted text."""
-
-    def __init__(self, texts: list[str]) -> None:
-        self.texts = list(texts)
-        self.appended: list = []
-
-    async def __call__(self, sent, append, limit, room):
-        from areal_aio import wire
-
-        self.appended.append(append)
-        text = self.texts.pop(0)
-        ids = [len(self.appended)] * 2
-        return wire.Completion("r", [9] if sent is None else sent + [5], ids, [-0.5, -0.5], [0, 0], text,
-                               "stop", 0, 0.0)
 
 
 @pytest.mark.parametrize("texts,turns,tools", [
@@ -63,7 +49,7 @@ class Scripted:
     (["<calc>2+3</calc> so <answer>5</answer>"], 1, []),
 ])
 async def test_the_episode_answers_calls_until_an_answer_or_the_reply_limit(texts, turns, tools):
-    script = Scripted(texts)
+    script = ScriptedReplies(texts)
     model = Model(Bounds(turns=3, tokens=100, timeout_s=1.0, max_new_tokens=8), script)
     assert await calculator.episode(Task("t", "What is 2 + 3?", "5"), model) is None
     assert model.replies == turns
