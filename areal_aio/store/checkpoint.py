@@ -27,7 +27,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import orjson
 
@@ -241,15 +241,14 @@ def sync_threads(ckpt: Checkpoint, overrides: list[str] | tuple[str, ...]) -> li
 
 def check_compatible(ckpt: Checkpoint, settings: Settings) -> None:
     """Settings may differ from the checkpoint's only in RESUMABLE keys."""
-    saved: dict[str, dict[str, Any]] = ckpt.state["settings"]
-    defaults = Settings().to_dict()
+    # a key or section newer than the checkpoint (lora, task.episode) was trained with its default
+    saved = resolved_settings(ckpt.state["settings"]).to_dict()
     for section, values in settings.to_dict().items():
         if section == "sft":
             continue  # read by the sft command only, never by a run
         for key, value in values.items():
             name = f"{section}.{key}"
-            # a section newer than the checkpoint (lora) was trained with its defaults
-            old = saved[section].get(key) if section in saved else defaults[section][key]
+            old = saved[section][key]
             if name not in RESUMABLE and old != value and name not in ("run.name", "run.out_dir"):
                 raise CheckpointError(f"{name} is {value!r}, the checkpoint was trained with {old!r}; "
                                       "only resumable keys may change")

@@ -197,3 +197,8 @@ def test_lora_keys_are_not_resumable_and_a_checkpoint_older_than_them_trained_wi
         checkpoint.check_compatible(ckpt, settings_module.load_settings(None, ["lora.rank=8"]))
     with pytest.raises(CheckpointError, match="--set lora.rank: cannot change on resume"):
         checkpoint.resume_settings(ckpt, ["lora.rank=8"])
+    # a key newer than its section's checkpoint (task.episode came after [task]): its default
+    del old["task"]["episode"]
+    checkpoint.check_compatible(ckpt, s)
+    with pytest.raises(CheckpointError, match="task.episode is 'json:dumps', the checkpoint was trained with ''"):
+        checkpoint.check_compatible(ckpt, settings_module.load_settings(None, ["task.episode=json:dumps"]))
