@@ -171,7 +171,10 @@ def same(actual: Any, expected: Any) -> bool:
     if a in (int, float) and e in (int, float):
         if a is int and e is int:
             return actual == expected
-        return math.isclose(actual, expected, rel_tol=REL_TOL, abs_tol=ABS_TOL) or actual == expected
+        try:
+            return math.isclose(actual, expected, rel_tol=REL_TOL, abs_tol=ABS_TOL)
+        except OverflowError:  # an int too large for a float (10**400): not close to one
+            return False
     if a is str and e is str:
         return actual == expected
     if a is list and e is list:
@@ -306,7 +309,7 @@ def read_results(outcome: sandbox.Outcome) -> list[dict[str, Any]]:
     for line in outcome.results.splitlines()[:RESULT_LINES_MAX]:
         try:
             record = loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # "[" * 100000: the program's bytes, not a record
             break
         if type(record) is not dict:
             break
@@ -333,7 +336,7 @@ def defines(program: str, name: str) -> bool:
     """Whether the program has a `def name(` (at any depth; a program that does not parse: no)."""
     try:
         tree = ast.parse(program)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # the model's text: anything
         return False
     return any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name for n in ast.walk(tree))
 
@@ -479,6 +482,8 @@ def run_check_tests(program: str, tests: str, entry_point: str, prefix: str = ""
                          wall_s=wall_s)
     if second.infra:
         return None, second.error
+    if second.status in ("timeout", "output_limit"):  # the recorded values made the check loop or flood
+        return False, f"the replay on the program's values ended by {second.status}"
     verdict = read_results(second)
     if len(verdict) != 1 or type(verdict[0].get("passed")) is not bool:
         return None, f"the replay gave no verdict ({second.status}: {second.stderr[-300:]!r})"

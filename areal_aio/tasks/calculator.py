@@ -81,7 +81,10 @@ def calculate(expression: str) -> str:
         return f"error: {exc}"
     if value.denominator == 1:
         return str(value.numerator)
-    return f"{float(value):.10g}"
+    try:
+        return f"{float(value):.10g}"
+    except OverflowError:  # 1e300 * 1e300 / 7: exact, but past a float
+        return "error: too large"
 
 
 async def episode(task: Task, model: Model) -> None:

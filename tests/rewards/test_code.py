@@ -72,6 +72,15 @@ def test_same_is_json_equality_with_a_float_tolerance():
     assert not same([1, 2], [1, 2, 3]) and not same({"a": 1}, {"a": 1, "b": 2}) and not same({1}, [1])
 
 
+def test_what_a_program_sends_back_never_raises_out_of_the_judge():
+    """Values and bytes the model's program controls: a wrong answer, never a crash (which the
+    pool would count as a failed reward)."""
+    assert not same(10**400, 1.5) and not same(1.5, 10**400) and same(10**400, 10**400)
+    flood = sandbox.Outcome(status="exited", results=b"[" * 100_000 + b'\n{"i": 0}\n')
+    assert code.read_results(flood) == []
+    assert not code.defines("-" * 300_000 + "1", "f") and not code.defines("(" * 10_000, "f")
+
+
 def test_the_reward_names_its_columns_for_the_loader():
     columns, required = reward_columns("areal_aio.rewards.code:reward", reward)
     assert columns is None and required == ("tests",)

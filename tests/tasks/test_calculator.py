@@ -37,6 +37,7 @@ def test_anything_but_arithmetic_is_refused(expression):
 def test_the_tool_answers_values_and_errors_as_text():
     assert calculate("6*7") == "42" and calculate("1/3") == "0.3333333333" and calculate("4/2") == "2"
     assert calculate("1/0") == "error: division by zero"
+    assert calculate("1e300*1e300/7") == "error: too large"
     assert calculate("os.getcwd()") == "error: only numbers, + - * / and parentheses"
 
 
