@@ -19,6 +19,7 @@ of a traceback seconds or minutes into the run. Checked:
                      rollout.devices and trainer.devices: torch in a subprocess (this
                      process never imports torch) sees that device
     task.episode     imports, and is an async def episode(task, model)
+    (sandbox)        a code task or the code reward: the sandbox isolates (namespaces or a uid)
     lora.targets     with lora.rank > 0, a list of names: each a linear layer of the model
                      (torch in a subprocess); an adapter folder as model.path: its base
     ray.address      a running cluster's ("auto", host:port): something listens there
@@ -74,6 +75,7 @@ def preflight(settings: Settings, out: str | Path | None = None, *, out_key: str
     rows = check_tasks(settings)
     check_reward(settings, rows)
     check_episode(settings)
+    check_sandbox(settings)
     check_out(Path(out) if out is not None else Path(settings.run.out_dir),
               out_key if out is not None else "run.out_dir")
     check_model(settings.model.path, model_key)
@@ -137,6 +139,21 @@ def check_episode(settings: Settings) -> None:
         load_episode(spec)
     except SettingsError as exc:
         raise PreflightError(str(exc)) from None
+
+
+def check_sandbox(settings: Settings) -> None:
+    """A run that executes the model's programs (a code task, the code reward) needs some
+    isolation: namespaces or a uid of each program's own (rewards/sandbox.py, probed once)."""
+    if settings.task.name not in CODE_TASKS and CODE_REWARD not in repr(settings.task.reward):
+        return
+    from areal_aio.rewards import sandbox
+
+    lay = sandbox.layers()
+    if not lay.namespaces and not lay.uid:
+        why = "; ".join(lay.notes)[-300:] or "; ".join(lay.open)
+        raise PreflightError(f"task.reward: the sandbox has no isolation on this machine (no namespaces, no "
+                             f"uid switch: needs root or unprivileged user namespaces), and model programs "
+                             f"would run as you ({why})")
 
 
 def check_out(folder: Path, key: str) -> None:

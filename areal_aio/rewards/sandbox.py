@@ -28,7 +28,8 @@ Layers, each probed once per process at first use (`layers()` says which are on)
     supplementary groups and PR_SET_NO_NEW_PRIVS (no setuid binary gives root back);
   * rlimits: address space, processes (threads count), file size, CPU seconds, open files, no
     core files; output read at most MAX_OUTPUT bytes a channel (past it: killed).
-Missing layers degrade to what remains; `layers()["open"]` says what is then open.
+Missing layers degrade to what remains; `layers().open` says what is then open; with neither namespaces nor a uid of its
+own a program would run as the caller, so pre-flight refuses a run that needs the sandbox (check_sandbox).
 """
 
 from __future__ import annotations

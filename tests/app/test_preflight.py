@@ -100,6 +100,17 @@ def test_generated_code_tasks_give_the_code_reward_its_columns(files, capsys, na
         in capsys.readouterr().err
 
 
+def test_code_tasks_are_refused_where_the_sandbox_isolates_nothing(files, capsys, monkeypatch):
+    from areal_aio.rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "layers", lambda: sandbox.Layers(None, (), False, notes=("unshare: denied",)))
+    assert main(check("task.name=code")) == 2
+    assert "task.reward: the sandbox has no isolation on this machine" in capsys.readouterr().err
+    assert main(check()) == 0  # arithmetic runs no program
+    monkeypatch.setattr(sandbox, "layers", lambda: sandbox.Layers(None, (), True))  # a uid of its own
+    assert main(check("task.name=code")) == 0
+
+
 def test_a_file_of_code_tasks_passes_with_the_code_reward(files, capsys):
     assert main(check("task.name=jsonl", "task.path=code.jsonl", "task.reward=areal_aio.rewards.code:reward")) == 0
 
