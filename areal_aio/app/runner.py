@@ -11,18 +11,9 @@ import sys
 import traceback
 from pathlib import Path
 
-from areal_aio.fleet.client import WorkerFailed
+from areal_aio.control.stats import cause as one_line
 
 ERROR_LOG = "error.log"
-
-
-def one_line(exc: BaseException) -> str:
-    """The cause of a failed run in one line: the first leaf of an exception group, its type
-    (unless it names its own cause, as 'trainer worker failed: ...' does) and first line."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return first if isinstance(exc, WorkerFailed) else f"{type(exc).__name__}: {first}".rstrip(": ")
 
 
 def write_error_log(exc: BaseException, folder: Path) -> str:

@@ -189,7 +189,7 @@ async def greedy_completions(settings: Settings, tasks: list[Task], log: Path,
 
 async def evaluate_model(settings: Settings, out_file: Path) -> dict[str, Any]:
     """Score settings.model.path on the held-out set with the in-run protocol; write `out_file`."""
-    eval_set = eval_tasks(settings)
+    eval_set = await asyncio.to_thread(eval_tasks, settings)  # code items: sandbox runs, off the loop
     reward = load_rewards(settings.task)
     builtin = all(type(r.fn) is AnswerReward for r in (reward if isinstance(reward, list) else [reward]))
     scorer = Scorer(reward, timeout_s=settings.controller.reward_timeout_s,

@@ -238,7 +238,8 @@ def finished_by_itself(summary: dict[str, Any]) -> bool:
 
 def cause(exc: BaseException) -> str:
     """A failure in one line: the first leaf of an exception group, its type (unless it names its
-    own cause, as 'trainer worker failed: ...' does) and first line (as app.runner.one_line)."""
+    own cause, as 'trainer worker failed: ...' does) and first line. The one line a failed
+    command prints (app.runner) and a summary's `ended`."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     first = (str(exc).strip().splitlines() or [""])[0]
