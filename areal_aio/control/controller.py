@@ -514,10 +514,13 @@ class Orchestrator:
                                  error=f"{type(exc).__name__}: {exc}"[:500])
             score = FAILED
         sample.completion = model.transcript.completion()
-        if sample.completion is not None:
-            self.counts.generated += 1
+        if sample.completion is None:  # no reply: nothing to train, so the group is lost now
+            if not group.dropped:
+                self._drop_group(group, "episode")
+            return
+        self.counts.generated += 1
         if score is None:
-            score = await self._scorer.score(sample.task, sample.completion.text if sample.completion else "")
+            score = await self._scorer.score(sample.task, sample.completion.text)
         self._scored(sample, group, score)
 
     async def _reply(self, sample: Sample, group: PendingGroup, sent: list[int] | None,
@@ -566,9 +569,6 @@ class Orchestrator:
         self.counts.scored(score)
         group.scored += 1
         if group.scored == len(group.samples) and not group.dropped:
-            if any(s.completion is None for s in group.samples):
-                self._drop_group(group, "episode")  # an episode with no reply: nothing to train
-                return
             del self._groups[sample.group_id]
             self.replay.put(Group(sample.group_id, group.task, group.samples))
             self._batch_ready.set()
@@ -809,13 +809,11 @@ class Orchestrator:
         continuations are aborted first; the rollout reader was cancelled, so one runs here.
         An eval not finished in time (or a worker that fails now) is lost and logged."""
         evals = list(self._open_evals.open.values())
-        self._closing = True  # the reader drops training answers: the run is over
         reader = asyncio.create_task(self._rollout_reader(), name="rollout_reader_at_stop")
         answered = asyncio.ensure_future(asyncio.gather(*(e.answered.wait() for e in evals)))
         try:
             async with asyncio.timeout(EVAL_AT_STOP_TIMEOUT_S):
-                if aborts := [wire.Abort(rid) for rid in [*self._requests, *self._process.close()]]:
-                    await self.rollout.send_many(aborts)
+                await self._stop_generating()  # before the reader runs: it drops training answers
                 for pending in evals:
                     await self._send_eval(pending)
                 await asyncio.wait([reader, answered], return_when=asyncio.FIRST_COMPLETED)

@@ -321,7 +321,10 @@ async def test_a_turn_before_the_first_reply_is_refused(tmp_path):
 
     summary = await orchestrator(tmp_path, make_settings("sync", **{"run.max_steps": 1}),
                                  tasks=tasks(8), episode=early).run()
-    assert summary["episode_failures"] == 16 and summary["steps"] == 0  # 8 tasks x 2: none trainable
+    # 8 tasks x 2, none trainable: the first episode of each group fails, and its group is given
+    # up at once (its sibling cancelled before it runs: no work spent on a lost group)
+    assert summary["episode_failures"] == 8 and summary["steps"] == 0
+    assert summary["samples_dropped_episode"] == 16
 
 
 # ---------------------------------------------------------------- real workers
