@@ -110,7 +110,8 @@ def test_a_tuple_is_a_list_and_floats_are_close():
     "class Eq:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
     "def add(a, b):\n    return Eq()",  # the always-equal object
     "class Eq(int):\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Eq(0)",
-    "import os\nfor i in range(3):\n    print('{\"i\": %d, \"value\": 3}' % i)\ndef add(a, b):\n    return None",
+    "import os\nfor i in range(3):\n    print('{\"i\": %d, \"value\": %d}' % (i, [3, 6, 0][i]))\n"
+    "def add(a, b):\n    return None",  # the right values, on stdout: not the results channel
     "import os\nfor i in range(3):\n    os.write(3, b'{\"i\": %d, \"value\": 3}\\n' % i)\n"
     "def add(a, b):\n    return a + b",  # forged records first: repeated indices fail the run
     "import os\nos.write(3, b'{\"passed\": true}\\n')\nos._exit(0)",  # a forged verdict
