@@ -44,7 +44,8 @@ from areal_aio.store.safetensors_io import (
     unique_state,
     write_safetensors,
 )
-from areal_aio.workers.models import BASE_FILE, PEFT_PREFIX, linear_names, merge_into
+from areal_aio.workers import models
+from areal_aio.workers.models import BASE_FILE, PEFT_PREFIX, linear_paths, merge_into
 
 ADAPTER = "default"
 """peft's name of the one adapter."""
@@ -56,17 +57,9 @@ FORMAT = "lora"
 
 
 def target_problem(model: Any, targets: str | list, spec: str) -> str | None:
-    """The one-line error for a lora.targets entry the model has no Linear layer for, else None.
-    A name matches as peft matches it: a module's last name, or the end of its dotted path."""
-    if targets == LORA_ALL:
-        return None
-    head = model.get_output_embeddings()
-    paths = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
-    for target in targets:
-        if not any(p == target or p.endswith("." + target) for p in paths):
-            return (f"lora.targets: {target!r} is not a linear layer of {spec}; its linear layers: "
-                    f"{', '.join(linear_names(model))}")
-    return None
+    """The one-line error for a lora.targets entry the model has no Linear layer for, else None
+    (models.target_problem, on this model's layers)."""
+    return models.target_problem(linear_paths(model), targets, spec)
 
 
 def peft_config(cfg: LoraSettings, targets: Any = None, base: str | None = None) -> Any:

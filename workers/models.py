@@ -259,14 +259,26 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32", device: str 
     return model, tok
 
 
-def linear_names(model: Any) -> list[str]:
-    """Short names (q_proj, down_proj, ...) of the model's Linear layers LoRA may adapt: all
-    but the output layer (often tied to the input embedding; peft's all-linear leaves it too)."""
+def linear_paths(model: Any) -> list[str]:
+    """Module paths of the model's Linear layers LoRA may adapt: all but the output layer
+    (often tied to the input embedding; peft's all-linear leaves it too)."""
     import torch
 
     head = model.get_output_embeddings()
-    return sorted({name.rpartition(".")[2] for name, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear) and m is not head})
+    return [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
+
+
+def target_problem(paths: list[str], targets: str | list, spec: str) -> str | None:
+    """The one-line error for a lora.targets entry no Linear layer of `spec` answers to, else
+    None. A name matches as peft matches it: a module's last name, or the end of its dotted
+    path. The one check: the trainer's start (workers/lora.py) and `check` (lora_target_problem)."""
+    if not isinstance(targets, list):  # "all-linear"
+        return None
+    for target in targets:
+        if not any(p == target or p.endswith("." + target) for p in paths):
+            names = sorted({path.rpartition(".")[2] for path in paths})
+            return f"lora.targets: {target!r} is not a linear layer of {spec}; its linear layers: {', '.join(names)}"
+    return None
 
 
 def merge_into(dest: Any, base: Any, a: Any, b: Any, scale: float) -> None:
@@ -357,7 +369,7 @@ def encode_turns(tok: Any, turns: list[dict[str, str]], closed: bool) -> list[in
 
 
 def linear_layers(spec: str) -> list[str]:
-    """The names of the linear layers lora.targets may name in `spec` (workers.lora.linear_names),
+    """The module paths of the linear layers lora.targets may name in `spec` (linear_paths),
     read off the model's skeleton on the meta device: no weights are loaded or converted."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
@@ -371,7 +383,7 @@ def linear_layers(spec: str) -> list[str]:
         config = AutoConfig.from_pretrained(str(local) if local else spec)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return linear_names(model)
+    return linear_paths(model)
 
 
 def lora_target_problem(spec: str, targets: str | list) -> str | None:
@@ -384,15 +396,12 @@ def lora_target_problem(spec: str, targets: str | list) -> str | None:
     try:
         done = subprocess.run([sys.executable, "-m", "areal_aio.workers.models", "linears", spec],
                               capture_output=True, text=True, timeout=LINEAR_PROBE_TIMEOUT_S)
-        names = json.loads(done.stdout) if done.returncode == 0 else None
+        paths = json.loads(done.stdout) if done.returncode == 0 else None
     except (subprocess.TimeoutExpired, ValueError):
-        names = None
-    if not names:
+        paths = None
+    if not paths:
         return None
-    for target in targets:
-        if target.rpartition(".")[2] not in names:
-            return f"lora.targets: {target!r} is not a linear layer of {spec}; its linear layers: {', '.join(names)}"
-    return None
+    return target_problem(paths, targets, spec)
 
 
 def main(argv: list[str] | None = None) -> int:

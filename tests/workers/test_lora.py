@@ -315,6 +315,9 @@ def test_check_time_probe_names_a_bad_target_without_torch_here() -> None:
 
     assert lora_target_problem(TINY, ["q_proj", "mlp.up_proj"]) is None
     assert lora_target_problem(TINY, "all-linear") is None  # nothing to look up
+    # a dotted name must end a module's path, as peft (and the trainer's start) match it
+    assert lora_target_problem(TINY, ["self_attn.q_proj"]) is None
+    assert lora_target_problem(TINY, ["mlp.q_proj"]).startswith("lora.targets: 'mlp.q_proj' is not a linear")
     assert lora_target_problem(TINY, ["qkv_proj"]) == (
         "lora.targets: 'qkv_proj' is not a linear layer of embedded:tiny-random; its linear layers: "
         "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj")
