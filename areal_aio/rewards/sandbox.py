@@ -343,7 +343,9 @@ def _probe() -> Layers:
         marker = os.path.join(host, "host-marker")
         Path(marker).write_text("host")
         for tool, spaces, uid in candidates:
-            trial = Layers(tool, spaces, uid, hidden=tuple(d for d in HIDE if os.path.isdir(d)) if "mount" in spaces else ())
+            mount = "mount" in spaces
+            trial = Layers(tool, spaces, uid, hidden=tuple(d for d in HIDE if os.path.isdir(d)) if mount else (),
+                           kept=tuple(_keep_paths()) if mount else ())
             out = _run(PROBE % marker, b"", 5.0, Limits(), trial)
             if out.status != "exited" or out.exit_code != 0:
                 notes.append(f"{'+'.join(spaces) or 'no namespaces'}, uid {'on' if uid else 'off'}: "
@@ -358,8 +360,7 @@ def _probe() -> Layers:
                 continue
             # the probe imported modules the interpreter had not loaded, as the run's uid: its
             # folders are readable there (bound back over a hidden /root, or readable as they are)
-            return dataclasses.replace(trial, kept=tuple(_keep_paths()) if "mount" in spaces else (),
-                                       open=_open_without(trial), notes=tuple(notes))
+            return dataclasses.replace(trial, open=_open_without(trial), notes=tuple(notes))
     return Layers(None, (), False, open=("nothing isolates programs here: the sandbox cannot start",),
                   notes=tuple(notes))
 
@@ -437,7 +438,7 @@ def _run(source: str, stdin: bytes, wall_s: float, limits: Limits, lay: Layers) 
     child_fds = {"code": pipes["code"][0], "results": pipes["results"][1], "control": pipes["control"][1]}
     cfg = {"code": child_fds["code"], "results": child_fds["results"], "control": child_fds["control"],
            "uid": uid, "mount": mount, "pidns": "pid" in lay.namespaces, "hide": list(lay.hidden),
-           "keep": _keep_paths() if mount else [], "tmpfs_mb": TMPFS_MB,
+           "keep": list(lay.kept), "tmpfs_mb": TMPFS_MB,
            "work": "/tmp/work" if mount else host_work, "deadline_s": wall_s + GRACE_S,
            "limits": {"as": limits.memory_mb << 20, "nproc": limits.procs, "fsize": limits.file_mb << 20,
                       "cpu": cpu, "nofile": limits.open_files}, "env": ENV}
