@@ -31,7 +31,8 @@ over; an abort answer under on_interrupt = restart resubmits that reply, past ma
 group is dropped). Admission, replay and acceptance are unchanged; a sample is scored when its
 episode returns, and its staleness is its oldest trained token's. A stop cancels every running
 episode (_stop_generating; its reply in flight is aborted); a resume admits the open groups
-again, so their episodes run again from the start.
+again, so their episodes run again from the start. The held-out eval runs the same function
+with greedy replies (_evaluate_episodes, evaluation.run_episodes; replies routed by Evals).
 
 The rollout role is one RolloutPool however many workers it has (placement.py; a single
 worker is a pool of one): it sends each group whole to its least-loaded worker, every
@@ -361,7 +362,8 @@ class Orchestrator:
             task.cancel()
         failure = _worker_failure(error)
         try:
-            if isinstance(error, asyncio.CancelledError) and self._workers_up and self._open_evals.open:
+            if isinstance(error, asyncio.CancelledError) and self._workers_up and \
+                    (self._open_evals.open or self._open_evals.interrupted):
                 await self._finish_evals()
             await asyncio.gather(self.rollout.stop(),
                                  self.keeper.keep_and_stop_trainer(failure, self._workers_up),
@@ -664,7 +666,8 @@ class Orchestrator:
         for group in self._groups.values():  # episodes end here: their replies are dropped now
             for task in group.episodes:
                 task.cancel()
-        if aborts := [wire.Abort(rid) for rid in [*self._requests, *self._process.close()]]:
+        abandoned, self._open_evals.abandoned = self._open_evals.abandoned, []
+        if aborts := [wire.Abort(rid) for rid in [*self._requests, *self._process.close(), *abandoned]]:
             await self.rollout.send_many(aborts)  # each to the worker that holds it
 
     def _should_stop(self) -> bool:
@@ -762,12 +765,40 @@ class Orchestrator:
 
     async def _evaluate(self, step: int, version: int) -> None:
         """Greedy answers on the held-out set (areal_aio.control.evaluation); never enters training.
-        A stop that cancels this leaves the eval open: _finish_evals completes it."""
+        A stop that cancels this leaves the eval open: _finish_evals completes it. An episode
+        run's eval is greedy episodes (_evaluate_episodes)."""
+        if self._episode is not None:
+            await self._evaluate_episodes(step, version)
+            return
         pending = self._open_evals.begin(step, version, evaluation.requests(self._eval_set, step, self.settings))
         self.keeper.eval_starts[step] = version
         await self._send_eval(pending)
         await pending.answered.wait()
         await self._record_eval(pending)
+
+    async def _evaluate_episodes(self, step: int, version: int, label: str = "") -> None:
+        """One greedy episode per held-out task (evaluation.run_episodes). A stop that cancels it
+        leaves it in Evals.interrupted: _finish_evals runs it again (label "s": new request ids,
+        the cancelled replies are aborted)."""
+        self.keeper.eval_starts[step] = version
+        try:
+            done = await evaluation.run_episodes(self._episode, self._eval_set, step, self.settings,
+                                                 self._scorer, self._ask_eval, label)
+        except asyncio.CancelledError:
+            self._open_evals.interrupted[step] = version
+            raise
+        self._eval_row(step, version, done.completions, done.scores, done.turns,
+                       episode_failures=done.failures)
+
+    async def _ask_eval(self, msg: wire.Generate) -> wire.Completion:
+        """One reply of an episode eval: sent, then awaited (the rollout reader delivers it)."""
+        answer = self._open_evals.expect(msg.request_id)
+        self._rollout_busy.up()
+        try:
+            await self.rollout.send(msg)
+            return await answer
+        finally:
+            self._open_evals.forget(msg.request_id)  # cancelled: aborted by _stop_generating
 
     async def _send_eval(self, pending: evaluation.PendingEval) -> None:
         """The requests of an eval not sent yet, one by one (a pool spreads them over its workers)."""
@@ -779,18 +810,24 @@ class Orchestrator:
 
     async def _record_eval(self, pending: evaluation.PendingEval) -> None:
         """An eval with every answer in: scored, then its row everywhere it goes."""
-        step, version, completions = pending.step, pending.version, pending.answers
+        completions = pending.answers
         scores = await evaluation.score(self._scorer, self._eval_set, completions)
         self._open_evals.end(pending)
+        self._eval_row(pending.step, pending.version, completions, scores)
+
+    def _eval_row(self, step: int, version: int, completions: list[wire.Completion], scores: list[Score],
+                  turns: list[list[dict]] | None = None, **extra: Any) -> None:
+        """A finished eval's row, everywhere it goes: samples, eval curve, events, best, threshold."""
         del self.keeper.eval_starts[step]
         self.counts.eval_tokens += sum(len(c.completion_ids) for c in completions)
         # With interrupts on, an eval answer can finish under newer weights than it started with;
         # the row is stamped with the newest version used, at the time that version was committed.
         newest = max(version, *(c.newest_version for c in completions))
+        oldest = min((c.oldest_version for c in completions if c.versions), default=version)
         row = {"step": step, "version": newest, "wall_s": round(self._commit_wall[newest], 3),
                "done_s": round(time.perf_counter() - self._t0, 3), **evaluation.rates(scores),
-               "versions": [min(c.oldest_version for c in completions), newest]}
-        for sample_row in evaluation.sample_rows(step, self._eval_set, completions, scores):
+               "versions": [oldest, newest], **extra}
+        for sample_row in evaluation.sample_rows(step, self._eval_set, completions, scores, turns):
             self.log.row("samples", sample_row)
         self.keeper.evaluated(row)  # a new best: exported by the train loop (or at the stop)
         self.eval_curve.append(row)
@@ -809,25 +846,32 @@ class Orchestrator:
         continuations are aborted first; the rollout reader was cancelled, so one runs here.
         An eval not finished in time (or a worker that fails now) is lost and logged."""
         evals = list(self._open_evals.open.values())
+        reruns, self._open_evals.interrupted = self._open_evals.interrupted, {}
         reader = asyncio.create_task(self._rollout_reader(), name="rollout_reader_at_stop")
         answered = asyncio.ensure_future(asyncio.gather(*(e.answered.wait() for e in evals)))
+        episode_evals: list[asyncio.Future] = []
         try:
             async with asyncio.timeout(EVAL_AT_STOP_TIMEOUT_S):
                 await self._stop_generating()  # before the reader runs: it drops training answers
                 for pending in evals:
                     await self._send_eval(pending)
-                await asyncio.wait([reader, answered], return_when=asyncio.FIRST_COMPLETED)
+                episode_evals = [asyncio.ensure_future(self._evaluate_episodes(step, version, "s"))
+                                 for step, version in reruns.items()]
+                done = asyncio.ensure_future(asyncio.gather(answered, *episode_evals))
+                await asyncio.wait([reader, done], return_when=asyncio.FIRST_COMPLETED)
                 if reader.done():
                     reader.result()  # a worker that failed meanwhile: raised here
+                done.result()
                 for pending in evals:
                     await self._record_eval(pending)
         except Exception as exc:  # noqa: BLE001 - the stop goes on without the eval
-            self.log.events.info("eval_lost", steps=[e.step for e in self._open_evals.open.values()],
-                                 error=f"{type(exc).__name__}: {exc}")
+            lost = [e.step for e in self._open_evals.open.values()] + \
+                [step for step in reruns if not any(row["step"] == step for row in self.eval_curve)]
+            self.log.events.info("eval_lost", steps=lost, error=f"{type(exc).__name__}: {exc}")
         finally:
-            answered.cancel()
-            reader.cancel()
-            await asyncio.gather(reader, answered, return_exceptions=True)
+            for task in (answered, reader, *episode_evals):
+                task.cancel()
+            await asyncio.gather(reader, answered, *episode_evals, return_exceptions=True)
 
     # ------------------------------------------------------------------ monitoring
 

@@ -1,7 +1,9 @@
 """Held-out evaluation: one protocol, used inside a run and by `python -m areal_aio eval`.
 
     eval set (tasks.eval_tasks: the held-out prompts of the run's task settings)
-      -> one greedy Generate per prompt (temperature 0, rollout.max_new_tokens, same engine)
+      -> one greedy Generate per prompt (temperature 0, rollout.max_new_tokens, same engine);
+         in an episode run (task.episode, task.name = calculator) one greedy episode per prompt
+         instead (run_episodes: the run's episode function, its bounds, every reply greedy)
       -> the run's scorer (what task.reward names: AnswerReward with task.format_bonus by default)
       -> pass rate, strict rate (tagged and correct), mean reward
 
@@ -12,23 +14,38 @@ run scored its versions. It writes eval.json, and its workers' logs beside it, w
 says: --out, the run folder scored, or runs/eval-<time>-<pid>/.
 
 An in-run eval is a PendingEval from its first request to its row, kept in the run's Evals
-(not in the task that awaits it): a stop can finish it (controller._finish_evals).
+(not in the task that awaits it): a stop can finish it (controller._finish_evals). An episode
+eval's replies are asked for one at a time as its episodes go (Evals.expect); what its
+episodes would still ask is not known at a stop, so a stop runs that eval again from its
+start, within the same bound (its row says which versions answered).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from areal_aio import wire
+from areal_aio.control import episodes
 from areal_aio.fleet.client import PipeWorker, WorkerClient
 from areal_aio.fleet.rollout_pool import RolloutPool
-from areal_aio.rewards.scoring import AnswerReward, Score, Scorer, component_means, load_rewards
+from areal_aio.rewards.scoring import (
+    FAILED,
+    AnswerReward,
+    Score,
+    Scorer,
+    as_score,
+    component_means,
+    load_rewards,
+)
 from areal_aio.settings import Settings, SettingsError, load_settings, resolved_settings
 from areal_aio.tasks.sources import eval_tasks
 from areal_aio.tasks.task import Task
@@ -46,6 +63,58 @@ async def score(scorer: Scorer, eval_set: list[Task], completions: list[wire.Com
                                        for t, c in zip(eval_set, completions, strict=True))))
 
 
+Ask = Callable[[wire.Generate], Awaitable[wire.Completion]]
+"""Send one greedy Generate to the rollout workers and await its Completion."""
+
+
+@dataclass(slots=True)
+class EpisodeEval:
+    """An episode eval's answers, in the order of the eval set."""
+
+    completions: list[wire.Completion]
+    scores: list[Score]
+    turns: list[list[dict[str, Any]]]  # each episode's record (episodes.Transcript.turns)
+    failures: int  # episodes that raised or passed a bound (scored 0)
+
+
+async def run_episodes(episode: episodes.Episode, eval_set: list[Task], step: int, settings: Settings,
+                       scorer: Scorer, ask: Ask, label: str = "") -> EpisodeEval:
+    """Each held-out task as one episode of the run's episode function, with every reply greedy
+    (ids eval<step><label>.<i>.r<reply>), under the run's episode bounds; scored as a training
+    episode is (its own reward, else task.reward on the last reply; one that fails scores 0)."""
+    bounds = episodes.Bounds.of(settings)
+
+    async def one(i: int, task: Task) -> tuple[wire.Completion, Score, list[dict[str, Any]], bool]:
+        replies = itertools.count()
+
+        def request(sent: list[int] | None, append: list[dict[str, str]] | None, limit: int,
+                    room: int) -> Awaitable[wire.Completion]:
+            return ask(wire.Generate(f"eval{step}{label}.{i}.r{next(replies)}", task.text, limit, 0.0, 1.0,
+                                     messages=task.messages if sent is None else None,
+                                     context_ids=sent, append=append, max_context=room))
+
+        model = episodes.Model(bounds, request)
+        failed = False
+        try:
+            async with asyncio.timeout(bounds.timeout_s):
+                result = await episode(task, model)
+            score = None if result is None else as_score(result)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the user's code: its failure scores 0, counted
+            failed, score = True, FAILED
+        completion = model.transcript.completion() or wire.Completion(
+            request_id=f"eval{step}.{i}", prompt_ids=[], completion_ids=[], logprobs=[], versions=[],
+            text="", finish="abort", interrupts=0, gen_s=0.0)  # failed before its first reply
+        if score is None:
+            score = await scorer.score(task, completion.text)
+        return completion, score, model.transcript.turns, failed
+
+    done = await asyncio.gather(*(one(i, task) for i, task in enumerate(eval_set)))
+    return EpisodeEval([d[0] for d in done], [d[1] for d in done], [d[2] for d in done],
+                       sum(d[3] for d in done))
+
+
 def rates(scores: list[Score]) -> dict[str, float]:
     """pass_rate, strict_rate, reward_mean and, for a weighted set of rewards, reward/<name>."""
     n = len(scores)
@@ -54,12 +123,13 @@ def rates(scores: list[Score]) -> dict[str, float]:
 
 
 def sample_rows(step: int, eval_set: list[Task], completions: list[wire.Completion],
-                scores: list[Score]) -> list[dict[str, Any]]:
-    """One samples.jsonl row per prompt (kind "eval")."""
+                scores: list[Score], turns: list[list[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
+    """One samples.jsonl row per prompt (kind "eval"); an episode's keeps its `turns`."""
     return [{"kind": "eval", "step": step, "task_id": task.id, "prompt": task.prompt, "answer": task.answer,
              "reply": c.text, "reward": s.reward, "pass": s.passed, "strict": s.strict,
-             **({"rewards": s.components} if s.components else {}), "tokens": len(c.completion_ids)}
-            for task, c, s in zip(eval_set, completions, scores, strict=True)]
+             **({"rewards": s.components} if s.components else {}), "tokens": len(c.completion_ids),
+             **({"turns": t} if t else {})}
+            for task, c, s, t in zip(eval_set, completions, scores, turns or [None] * len(eval_set), strict=True)]
 
 
 class PendingEval:
@@ -82,6 +152,19 @@ class Evals:
     def __init__(self) -> None:
         self.open: dict[int, PendingEval] = {}
         self._of: dict[str, tuple[PendingEval, int]] = {}  # request id -> (its eval, its index)
+        self._waiting: dict[str, asyncio.Future] = {}  # an episode eval's reply -> its Completion
+        self.abandoned: list[str] = []  # episode eval replies given up (cancelled): to abort
+        self.interrupted: dict[int, int] = {}  # episode evals a stop cancelled: step -> version
+
+    def expect(self, request_id: str) -> asyncio.Future:
+        """The future an episode eval's reply `request_id` is delivered to."""
+        future = self._waiting[request_id] = asyncio.get_running_loop().create_future()
+        return future
+
+    def forget(self, request_id: str) -> None:
+        """An episode eval's reply no longer wanted: one still awaited is to be aborted."""
+        if self._waiting.pop(request_id, None) is not None:
+            self.abandoned.append(request_id)
 
     def begin(self, step: int, version: int, requests: list[wire.Generate]) -> PendingEval:
         pending = self.open[step] = PendingEval(step, version, requests)
@@ -90,6 +173,10 @@ class Evals:
 
     def deliver(self, msg: wire.Completion) -> bool:
         """Take an eval request's answer (True), or leave any other request's (False)."""
+        if (future := self._waiting.pop(msg.request_id, None)) is not None:
+            if not future.done():
+                future.set_result(msg)
+            return True
         found = self._of.pop(msg.request_id, None)
         if found is None:
             return False
@@ -187,8 +274,46 @@ async def greedy_completions(settings: Settings, tasks: list[Task], log: Path,
     return [answers[f"eval0.{i}"] for i in range(len(tasks))]
 
 
+async def greedy_episodes(settings: Settings, tasks: list[Task], log: Path, episode: episodes.Episode,
+                          scorer: Scorer, rollout: WorkerClient | None = None) -> EpisodeEval:
+    """settings.model.path's greedy episodes on `tasks` (run_episodes), from a rollout client of
+    its own (default: eval_rollout's, logging to `log`)."""
+    worker = rollout or eval_rollout(settings, log)
+    evals = Evals()
+
+    async def ask(msg: wire.Generate) -> wire.Completion:
+        answer = evals.expect(msg.request_id)
+        await worker.send(msg)
+        return await answer
+
+    async def read() -> None:
+        while True:
+            msg = await worker.recv()
+            if not isinstance(msg, wire.Completion):
+                raise worker.failure(msg)
+            evals.deliver(msg)
+
+    try:
+        await worker.prepare(settings.model.path)
+        await worker.start(wire.Init("rollout", settings.to_dict(), ""))
+        reader = asyncio.ensure_future(read())
+        run = asyncio.ensure_future(run_episodes(episode, tasks, 0, settings, scorer, ask))
+        try:
+            await asyncio.wait([reader, run], return_when=asyncio.FIRST_COMPLETED)
+            if reader.done():
+                reader.result()  # the worker failed: raised here
+            return run.result()
+        finally:
+            for task in (reader, run):
+                task.cancel()
+            await asyncio.gather(reader, run, return_exceptions=True)
+    finally:
+        await worker.stop()
+
+
 async def evaluate_model(settings: Settings, out_file: Path) -> dict[str, Any]:
-    """Score settings.model.path on the held-out set with the in-run protocol; write `out_file`."""
+    """Score settings.model.path on the held-out set with the in-run protocol (greedy episodes
+    in an episode run); write `out_file`."""
     eval_set = await asyncio.to_thread(eval_tasks, settings)  # code items: sandbox runs, off the loop
     reward = load_rewards(settings.task)
     builtin = all(type(r.fn) is AnswerReward for r in (reward if isinstance(reward, list) else [reward]))
@@ -196,15 +321,24 @@ async def evaluate_model(settings: Settings, out_file: Path) -> dict[str, Any]:
                     procs=0 if builtin else settings.controller.reward_procs,
                     log_path=out_file.with_name("eval-reward.log"))
     out_file.parent.mkdir(parents=True, exist_ok=True)
+    spec = episodes.episode_spec(settings)
     t0 = time.perf_counter()
+    extra: dict[str, Any] = {}
+    turns = None
     try:
-        completions = await greedy_completions(settings, eval_set, out_file.with_name("eval-rollout.log"))
-        scores = await score(scorer, eval_set, completions)
+        if spec:
+            done = await greedy_episodes(settings, eval_set, out_file.with_name("eval-rollout.log"),
+                                         episodes.load_episode(spec), scorer)
+            completions, scores, turns = done.completions, done.scores, done.turns
+            extra = {"episode": spec, "episode_failures": done.failures}
+        else:
+            completions = await greedy_completions(settings, eval_set, out_file.with_name("eval-rollout.log"))
+            scores = await score(scorer, eval_set, completions)
     finally:
         await scorer.aclose()
     result = {"model": settings.model.path, **rates(scores), "n": len(eval_set),
               "eval_seed": settings.task.eval_seed, "max_new_tokens": settings.rollout.max_new_tokens,
-              "seconds": round(time.perf_counter() - t0, 3),
-              "samples": sample_rows(0, eval_set, completions, scores)}
+              **extra, "seconds": round(time.perf_counter() - t0, 3),
+              "samples": sample_rows(0, eval_set, completions, scores, turns)}
     out_file.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     return result

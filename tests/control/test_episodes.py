@@ -19,6 +19,7 @@ from areal_aio.store import checkpoint
 from tests.conftest import Jitter, make_settings, orchestrator, tasks
 
 TOOL_TEXT = "7"
+EVAL_IDS = {t.id for t in tasks(4, start=100)}  # conftest.orchestrator's held-out set
 
 
 class ReplyRollout(FakeRollout):
@@ -218,6 +219,8 @@ async def test_a_stop_mid_episode_cancels_every_episode_and_ends(tmp_path):
 
     async def waits_for_a_tool(task, model):
         await model.reply()
+        if task.id in EVAL_IDS:  # the held-out eval's episodes end: only training's hang
+            return 1.0
         started.set()
         await asyncio.Event().wait()  # a tool that never answers
 
@@ -296,6 +299,109 @@ async def test_task_name_calculator_runs_the_calculator_episode(tmp_path):
     assert all(r["pass"] and r["reward"] > 1 for r in trained)  # right and tagged: the answer reward
     assert all(r["turns"][1]["text"] == r["answer"] for r in trained)
     assert all(s.loss_mask.count(0) > 0 for b in trainer.batches for s in b.samples)
+
+
+async def test_an_episode_runs_eval_is_greedy_episodes_with_their_turns(tmp_path):
+    """The held-out eval of a calculator run runs the calculator episode too: every reply greedy,
+    the tool's answer between, scored by the last reply; its rows keep their turns."""
+    seen: list[wire.Generate] = []
+
+    class Watching(FakeRollout):
+        async def send(self, msg):
+            if isinstance(msg, wire.Generate) and msg.request_id.startswith("eval"):
+                seen.append(msg)
+            await super().send(msg)
+
+    def calls(prompt, version):
+        a, b = (int(x) for x in prompt.split("Calculate ")[1].split(".")[0].split(" + "))
+        return f"<calc>{a} + {b}</calc>"
+
+    def answers(msg, version):
+        return f"<answer>{msg.append[0]['content']}</answer>"
+
+    settings = make_settings("sync", **{"task.name": "calculator", "run.max_steps": 2})
+    summary = await orchestrator(tmp_path, settings, rollout=Watching(policy=calls, continuation=answers)).run()
+    assert [e["step"] for e in summary["eval_curve"]] == [0, 2]
+    assert all(e["pass_rate"] == 1.0 and e["episode_failures"] == 0 for e in summary["eval_curve"])
+    assert sorted(m.request_id for m in seen if m.request_id.startswith("eval0.")) == \
+        [f"eval0.{i}.r{k}" for i in range(4) for k in range(2)]
+    assert {m.temperature for m in seen} == {0.0}
+    evals = rows(tmp_path / "run", "eval")
+    assert len(evals) == 8 and all(r["turns"][1] == {"role": "tool", "text": r["answer"], "tokens": r["turns"][1]["tokens"],
+                                                     "trained": False} for r in evals)
+    assert all(r["reply"] == f"<answer>{r['answer']}</answer>" for r in evals)
+
+
+async def test_an_eval_episode_that_fails_scores_zero_and_is_counted_in_its_row(tmp_path):
+    async def fails_on_held_out(task, model):
+        await model.reply()
+        if task.id in EVAL_IDS and task.id != "t100":
+            raise RuntimeError("a tool that breaks")
+        return 1.0
+
+    summary = await orchestrator(tmp_path, make_settings("sync", **{"run.max_steps": 2}),
+                                 episode=fails_on_held_out).run()
+    assert summary["steps"] == 2 and summary["episode_failures"] == 0  # training's count only
+    assert [(e["pass_rate"], e["episode_failures"]) for e in summary["eval_curve"]] == [(0.25, 3)] * 2
+
+
+@pytest.mark.parametrize("bound_s,delay_s,kept", [(60.0, 0.002, True), (0.3, 0.05, False)])  # a reply: 64 tokens
+async def test_a_cancel_during_an_episode_eval_runs_it_again_within_the_bound(tmp_path, monkeypatch, bound_s,
+                                                                             delay_s, kept):
+    """SIGTERM's path (the run task cancelled) while the baseline eval's episodes wait on replies:
+    the stop aborts those replies and runs the eval again from its start (new request ids), so
+    its row is kept; past the stop's eval bound it is logged as lost instead, and the run ends."""
+    from areal_aio.control import controller
+
+    monkeypatch.setattr(controller, "EVAL_AT_STOP_TIMEOUT_S", bound_s)
+    aborted: set[str] = set()
+
+    class Recording(ReplyRollout):
+        async def send(self, msg):
+            if isinstance(msg, wire.Abort):
+                aborted.add(msg.request_id)
+            await super().send(msg)
+
+    rollout = Recording(tokens=100, token_delay_s=delay_s)
+    orch = orchestrator(tmp_path, make_settings("areal"), rollout=rollout, episode=two_replies)
+    run = asyncio.create_task(orch.run())
+    while not any(rid.startswith("eval0.") for _, what, rid in rollout.log if what == "generate"):
+        assert not run.done()
+        await asyncio.sleep(0.005)
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(run, 30)
+    sent = [rid for _, what, rid in rollout.log if what == "generate"]
+    assert not [rid for rid in sent if rid.startswith("g")]  # the baseline eval goes first
+    answered = {rid for _, what, rid in rollout.log if what == "done"}
+    assert {rid for rid in sent if rid.startswith("eval0.")} <= aborted | answered  # none left running
+    events = [orjson.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_bytes().splitlines()]
+    summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
+    assert summary["ended"] == "interrupted"
+    if kept:
+        assert [e["step"] for e in summary["eval_curve"]] == [0] and not [e for e in events if e["event"] == "eval_lost"]
+        assert {rid.split(".")[0] for rid in sent if rid.startswith("eval")} == {"eval0", "eval0s"}
+        assert len(rows(tmp_path / "run", "eval")) == 4
+    else:
+        assert summary["eval_curve"] == []
+        assert [e["steps"] for e in events if e["event"] == "eval_lost"] == [[0]]
+
+
+async def test_the_eval_command_runs_greedy_episodes(tmp_path):
+    """evaluate_model of an episode run's settings: greedy episodes on its own rollout client."""
+    from areal_aio.control import evaluation
+    from areal_aio.rewards.scoring import Scorer, load_rewards
+
+    settings = make_settings("sync", **{"task.name": "calculator"})
+    rollout = FakeRollout(policy=lambda prompt, v: "<calc>2 * 3</calc>",
+                          continuation=lambda msg, v: f"<answer>{msg.append[0]['content']}</answer>")
+    scorer = Scorer(load_rewards(settings.task), timeout_s=5, procs=0)
+    done = await evaluation.greedy_episodes(settings, list(tasks(3)), tmp_path / "unused.log",
+                                            episodes.load_episode(episodes.CALCULATOR), scorer, rollout)
+    await scorer.aclose()
+    assert [c.text for c in done.completions] == ["<answer>6</answer>"] * 3 and done.failures == 0
+    assert [t[1]["text"] for t in done.turns] == ["6"] * 3
+    assert rollout.returncode == 0  # stopped
 
 
 def test_task_episode_is_checked_like_task_reward(tmp_path):
