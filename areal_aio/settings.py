@@ -279,6 +279,8 @@ class ControllerSettings:
     max_retries: int = opt(2, "restart: resubmissions of one task before it is dropped.", ge=0)
     reward_timeout_s: float = opt(10.0, "A reward taking longer scores 0 and is counted (in the pool its process is killed and replaced; in a thread the thread is abandoned).", gt=0)
     max_in_flight: int = opt(0, "Rollouts started and not yet trained at most; 0 = none beyond the staleness rule, or 8 batches when max_staleness = -1.", ge=0)
+    dynamic_sampling: bool = opt(False, "DAPO's dynamic sampling: a group whose rewards are all equal (zero advantage under trainer.advantage grpo or drgrpo: no policy gradient) is not trained; its admission slots come back, so more groups are generated for the batch (within the staleness rule and max_in_flight). Counted: samples_skipped_uniform.")
+    max_uniform_in_a_row: int = opt(64, "dynamic_sampling: after this many skipped groups in a row the next one is trained anyway, so a task whose groups never differ still makes steps.", ge=1)
     reward_procs: int = opt(1, "Processes of the reward pool (CPU-heavy scoring off the event loop); 0 = no pool: the built-in reward is scored inline (microseconds), any other sync reward in a thread.", ge=0)
 
 
@@ -373,6 +375,9 @@ class Settings:
         if self.controller.max_in_flight and self.controller.max_in_flight < self.rollout.group_size:
             raise SettingsError(f"controller.max_in_flight ({self.controller.max_in_flight}) must be 0 or "
                                 f">= rollout.group_size ({self.rollout.group_size}): groups start whole")
+        if self.controller.dynamic_sampling and self.trainer.advantage == "batch":
+            raise SettingsError("controller.dynamic_sampling: needs trainer.advantage = grpo or drgrpo "
+                                "(with batch advantages a group whose rewards are equal still has a gradient)")
         if self.task.eval_seed == self.run.seed:
             raise SettingsError("task.eval_seed: must differ from run.seed (the eval set is held out)")
         if (problem := report_to_error(self.run.report_to)) is not None:

@@ -106,6 +106,8 @@ MONITOR_PERIOD_S = 0.05
 PROGRESS_PERIOD_S = 2.0
 EVENT_QUEUE = 10_000
 """Events buffered per subscriber; a subscriber that falls further behind loses the oldest."""
+UNIFORM_EPS = 1e-9
+"""Rewards of a group closer than this are equal (dynamic sampling)."""
 EVAL_AT_STOP_TIMEOUT_S = 60.0
 """How long an interrupted run waits for the evals it had in flight (training rollouts aborted,
 the rollout workers answer only them): an in-run eval is greedy and short; one that takes longer
@@ -210,6 +212,7 @@ class Orchestrator:
         self.replay = ReplayBuffer()
         self.summary: dict[str, Any] = {}
         self._groups: dict[int, PendingGroup] = {}
+        self._uniform_in_a_row = 0  # dynamic sampling: groups skipped since the last one trained
         self._requests: dict[str, Sample] = {}
         # held-out evals between their first request and their row (outlive a stop): evaluation.Evals
         self._open_evals = evaluation.Evals()
@@ -572,8 +575,25 @@ class Orchestrator:
         group.scored += 1
         if group.scored == len(group.samples) and not group.dropped:
             del self._groups[sample.group_id]
+            if self._skips(group.samples):
+                self._drop(group.samples, "uniform")
+                return
             self.replay.put(Group(sample.group_id, group.task, group.samples))
             self._batch_ready.set()
+
+    def _skips(self, samples: list[Sample]) -> bool:
+        """Dynamic sampling (controller.dynamic_sampling): a whole group whose rewards are all
+        equal teaches nothing (zero advantage) and is not trained, unless max_uniform_in_a_row
+        such groups were skipped just before it."""
+        c = self.settings.controller
+        if not c.dynamic_sampling:
+            return False
+        rewards = [s.score.reward for s in samples]
+        if max(rewards) - min(rewards) > UNIFORM_EPS or self._uniform_in_a_row >= c.max_uniform_in_a_row:
+            self._uniform_in_a_row = 0
+            return False
+        self._uniform_in_a_row += 1
+        return True
 
     def _abort_soon(self, rid: str) -> None:
         """Abort a request from code that cannot wait (its answer is ignored: not in _requests)."""

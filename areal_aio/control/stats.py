@@ -8,7 +8,8 @@ changes it and every row one place that builds it:
     Counts.completed   a training rollout came back       generated, gen_tokens, interrupts
     Counts.scored      its reward is in                   reward_failures, reward_sum
     Counts.replied     an episode's reply came back        gen_tokens, interrupts (completed: + generated)
-    Counts.dropped     rollouts given up                   dropped_stale, dropped_interrupt, dropped_episode
+    Counts.dropped     rollouts given up                   dropped_stale, dropped_interrupt, dropped_episode,
+                                                           skipped_uniform
     (episode_failures: an episode that raised or passed a bound, scored 0)
     Counts.trained     a batch committed                  accepted, trained_tokens, staleness_hist
     (admitted, restarts, eval_tokens, lost_in_flight: one line each where they happen)
@@ -49,6 +50,7 @@ class Counts:
     lost_in_flight: int = 0  # rollouts admitted, not trained, lost by a stop and redone on resume
     episode_failures: int = 0  # episodes that raised, timed out or passed a bound (reward 0)
     dropped_episode: int = 0  # samples of groups dropped because an episode ended without a reply
+    skipped_uniform: int = 0  # samples of groups not trained for equal rewards (controller.dynamic_sampling)
     staleness_hist: Counter = field(default_factory=Counter)
 
     def completed(self, msg: wire.Completion) -> None:
@@ -66,11 +68,14 @@ class Counts:
         self.reward_sum += score.reward
 
     def dropped(self, n: int, why: str) -> None:
-        """`n` admitted rollouts given up: `why` is "stale", "interrupt" or "episode"."""
+        """`n` admitted rollouts given up: `why` is "stale", "interrupt", "episode" or "uniform"
+        (dynamic sampling: equal rewards, scored and not trained)."""
         if why == "stale":
             self.dropped_stale += n
         elif why == "episode":
             self.dropped_episode += n
+        elif why == "uniform":
+            self.skipped_uniform += n
         else:
             self.dropped_interrupt += n
 
@@ -177,7 +182,7 @@ def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, 
     """summary.json: the run's settings that matter, its counts, rates and eval curve;
     `rollout_workers_detail`: worker_rows; `ended`: how it ended (`ended`, from `error` and the
     train loop's `reason`)."""
-    unused = c.admitted - c.accepted - c.dropped_stale - c.dropped_interrupt - c.dropped_episode
+    unused = c.admitted - c.accepted - c.dropped_stale - c.dropped_interrupt - c.dropped_episode - c.skipped_uniform
     return {
         "mode": s.run.mode, "max_staleness": num(s.eta), "objective": s.trainer.objective,
         "interrupt": s.rollout.interrupt, "seed": s.run.seed, "model": s.model.path,
@@ -186,7 +191,8 @@ def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, 
         "samples_dropped_stale": c.dropped_stale, "samples_dropped_interrupt": c.dropped_interrupt,
         "samples_unused": unused, "interrupts": c.interrupts, "restarts": c.restarts,
         "reward_failures": c.reward_failures, "episode_failures": c.episode_failures,
-        "samples_dropped_episode": c.dropped_episode, "max_staleness_trained": max_trained_staleness,
+        "samples_dropped_episode": c.dropped_episode, "samples_skipped_uniform": c.skipped_uniform,
+        "dynamic_sampling": s.controller.dynamic_sampling, "max_staleness_trained": max_trained_staleness,
         "lost_in_flight": c.lost_in_flight, "resumes": resumes,
         "best_eval": best if best["version"] is not None else None,
         "staleness_hist": {str(k): v for k, v in sorted(c.staleness_hist.items())},

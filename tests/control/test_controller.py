@@ -406,3 +406,50 @@ async def test_chat_rows_with_columns_and_a_weighted_reward_from_settings(tmp_pa
     assert all(r["reward"] == pytest.approx(r["rewards"]["answer"] + 0.5 * r["rewards"]["brevity"]) for r in trained)
     assert trained[0]["prompt"][0] == system
     assert all("reward/brevity" in row for row in summary["eval_curve"])
+
+
+class HalfUniform(FakeRollout):
+    """Groups of an even first term: every sample right (equal rewards); odd: only sample 0 right."""
+
+    def answer(self, msg, version):
+        a, b = (int(x) for x in msg.prompt.split("Calculate ")[1].split(".")[0].split(" + "))
+        right = a % 2 == 0 or msg.request_id.split(".")[1].startswith("0")
+        return f"<answer>{a + b if right else -1}</answer>"
+
+
+@pytest.mark.parametrize("mode", ["sync", "areal"])
+async def test_dynamic_sampling_trains_only_groups_whose_rewards_differ(tmp_path, mode):
+    trainer = FakeTrainer()
+    settings = make_settings(mode, **{"controller.dynamic_sampling": True, "run.max_steps": 4})
+    summary = await orchestrator(tmp_path, settings, rollout=HalfUniform(), trainer=trainer).run()
+    assert summary["steps"] == 4 and summary["dynamic_sampling"]
+    groups = {}
+    for b in trainer.batches:
+        for s in b.samples:
+            groups.setdefault(s.group, []).append(s.reward)
+    assert len(groups) == 4 * 2 and all(max(r) > min(r) for r in groups.values())  # B/G = 2 groups a step
+    skipped = [orjson.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_bytes().splitlines()
+               if b'"uniform"' in x]
+    assert summary["samples_skipped_uniform"] == len(skipped) > 0
+    assert all(r["pass"] for r in skipped) and summary["max_staleness_trained"] <= (0 if mode == "sync" else 4)
+
+    off = await orchestrator(tmp_path / "off", make_settings(mode, **{"run.max_steps": 4}), rollout=HalfUniform()).run()
+    assert off["samples_skipped_uniform"] == 0 and off["samples_accepted"] == 4 * 4
+
+
+async def test_dynamic_sampling_trains_a_uniform_group_after_max_in_a_row(tmp_path):
+    """A task whose groups never differ (the fake's untagged replies all score 0) still makes
+    steps: every max_uniform_in_a_row + 1-th group is trained."""
+    settings = make_settings("sync", **{"controller.dynamic_sampling": True, "controller.max_uniform_in_a_row": 2,
+                                        "run.max_steps": 3})
+    summary = await asyncio.wait_for(orchestrator(tmp_path, settings).run(), 30)
+    trained_groups = summary["samples_accepted"] // 2
+    skipped_groups = summary["samples_skipped_uniform"] // 2
+    assert summary["steps"] == 3 and trained_groups == 6
+    assert 2 * (trained_groups - 1) <= skipped_groups <= 2 * (trained_groups + 1)
+
+
+def test_dynamic_sampling_needs_group_advantages():
+    with pytest.raises(Exception, match="controller.dynamic_sampling: needs trainer.advantage"):
+        make_settings(**{"controller.dynamic_sampling": True, "trainer.advantage": "batch"})
+    assert make_settings(**{"controller.dynamic_sampling": True, "trainer.advantage": "drgrpo"}).controller.dynamic_sampling
