@@ -25,6 +25,7 @@ from typing import Any, get_type_hints
 MODES = ("sync", "one_step", "areal")
 OBJECTIVES = ("pg", "ppo", "decoupled_ppo")
 ADVANTAGES = ("grpo", "drgrpo", "batch")
+LOSS_AGGS = ("token", "sequence", "constant")
 CAP_MODES = ("mask", "clamp")
 """The trainer's objectives, advantage kinds and cap modes: named here, the one home of the
 names (torch-free, so the controller and `check` read them); workers/trainer/losses.py implements them."""
@@ -224,6 +225,7 @@ class TrainerSettings:
     lr: float = opt(1e-5, "AdamW learning rate.", gt=0)
     weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
     advantage: str = opt("grpo", "grpo (group mean and std) | drgrpo (group mean only) | batch (batch mean and std).", choices=ADVANTAGES)
+    loss_agg: str = opt("token", "How a mini-batch's token losses make its loss: token (DAPO: their mean over all the mini-batch's trained tokens, every token alike) | sequence (GRPO as published: each sequence's token mean, then the mean over sequences) | constant (Dr. GRPO: their sum over sequences x rollout.max_new_tokens, no length bias).", choices=LOSS_AGGS)
     clip_eps: float = opt(0.2, "PPO clip: ratio kept in [1 - clip_eps, 1 + clip_eps_high].", gt=0, le=1)
     clip_eps_high: float = opt(0.28, "Upper PPO clip (decoupled clip-higher).", gt=0)
     behav_cap: float = opt(5.0, "decoupled_ppo: cap on pi_prox / pi_behav per token.", gt=1)

@@ -9,9 +9,11 @@ it is testable by hand on tiny tensors and knows nothing about models or pipes.
     k3_kl(logp[T], ref[T])                                  -> kl[T]
     token_logprobs(hidden[T, H], head[V, H], targets[T])   -> logp[T], entropy[T]
 
-Aggregation is the caller's (workers/trainer/worker.py): token-level, i.e. the sum of
-token losses over the mini-batch divided by its number of completion tokens,
-which is also Dr. GRPO's "no per-sequence length normalization".
+    sequence_weights(lengths[S], kind, max_len)             -> w[S]
+
+Aggregation (trainer.loss_agg) is a weight per sequence: a mini-batch's loss is
+sum_i w_i * sum_t loss_it over its sequences i and their trained tokens t
+(sequence_weights); the caller (workers/trainer/worker.py) applies it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from areal_aio.settings import ADVANTAGES, CAP_MODES, OBJECTIVES, SFT
+from areal_aio.settings import ADVANTAGES, CAP_MODES, LOSS_AGGS, OBJECTIVES, SFT
 
 ADV_EPS = 1e-6
 """Added to the std before dividing: a group whose rewards are all equal gets advantage 0, not NaN."""
@@ -53,6 +55,29 @@ def advantages(rewards: torch.Tensor, groups: torch.Tensor, kind: str = "grpo",
         return centred.to(torch.float32)
     var = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, inverse, centred * centred) / count
     return (centred / (var.sqrt()[inverse] + eps)).to(torch.float32)
+
+
+def sequence_weights(lengths: list[int], kind: str, max_len: int) -> torch.Tensor:
+    """Each sequence's weight on its token losses in a mini-batch's loss [S] (float64), from
+    its trained-token counts `lengths`; S counts the sequences with a trained token.
+
+    token:    1 / sum_i n_i     every token of the mini-batch alike (DAPO's token-level loss;
+                                a long reply weighs in proportion to its length)
+    sequence: 1 / (S * n_i)     each sequence's token mean, then the mean over sequences (GRPO
+                                as published: a token of a short reply weighs more)
+    constant: 1 / (S * max_len) a constant normaliser (Dr. GRPO; max_len: rollout.max_new_tokens)
+    """
+    if kind not in LOSS_AGGS:
+        raise ValueError(f"loss aggregation {kind!r}; choose one of {', '.join(LOSS_AGGS)}")
+    n = torch.tensor(lengths, dtype=torch.float64)
+    seqs = int((n > 0).sum())
+    if not seqs:
+        return torch.zeros_like(n)
+    if kind == "token":
+        return torch.full_like(n, 1.0 / float(n.sum()))
+    if kind == "constant":
+        return torch.full_like(n, 1.0 / (seqs * max_len))
+    return torch.where(n > 0, 1.0 / (seqs * n.clamp(min=1)), torch.zeros_like(n))
 
 
 @dataclass(frozen=True, slots=True)

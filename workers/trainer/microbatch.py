@@ -46,6 +46,7 @@ counts trained tokens only.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,8 @@ class MicroBatch:
     position_ids [n, L] (packed) or None (the model counts from 0).
     gather [T]: flat positions in [n * L] whose hidden state predicts each target.
     targets, behav, adv [T]: the completion tokens of samples[index], sample after sample.
+    weight [T] (trainer.loss_agg other than token): each token's weight in its mini-batch's
+        loss, its sequence's (losses.sequence_weights); None: the token mean of the mini-batch.
     """
 
     index: list[int]  # sample indices in the batch, in the order of the targets
@@ -79,6 +82,7 @@ class MicroBatch:
     behav: torch.Tensor
     adv: torch.Tensor
     padded: bool = False  # unshared: some row is shorter than L (known here, on the host)
+    weight: torch.Tensor | None = None  # [T] each token's weight in the mini-batch's loss; None: 1 / its tokens
 
     @property
     def tokens(self) -> int:
@@ -215,14 +219,14 @@ def build_packed_micro_batch(samples: list[wire.TrainSample], groups: list[list[
 
 def plan_micro_batches(samples: list[wire.TrainSample], lo: int, hi: int, adv: torch.Tensor, *,
                        packed: bool, max_tokens: int, pad_id: int, device: str,
-                       part: int = 0, parts: int = 1) -> list[MicroBatch]:
+                       part: int = 0, parts: int = 1, weight: torch.Tensor | None = None) -> list[MicroBatch]:
     """samples[lo:hi] in micro-batches of at most `max_tokens` computed positions (padding
     included; one row over the budget travels alone). Packed: one group per row, groups whole.
 
     `parts` > 1 (a data-parallel trainer's ranks): the rows are first dealt out by the positions
     they compute (packing.split, the same on every rank), and only part `part`'s rows are
     planned, so each rank builds and computes its own share, however few micro-batches the
-    budget makes of the whole."""
+    budget makes of the whole. `weight` [B]: each sample's weight per token (MicroBatch.weight)."""
     if packed:
         rows = prompt_groups(samples, lo, hi)
         lengths = [group_row_length(samples, g) for g in rows]
@@ -233,7 +237,13 @@ def plan_micro_batches(samples: list[wire.TrainSample], lo: int, hi: int, adv: t
         mine = split(lengths, parts)[part]
         rows, lengths = [rows[k] for k in mine], [lengths[k] for k in mine]
     if packed:
-        return [build_packed_micro_batch(samples, [rows[k] for k in mb], adv, pad_id, device)
-                for mb in micro_batches(lengths, max_tokens)]
-    return [build_micro_batch(samples, [rows[k][0] for k in mb], adv, pad_id, device)
-            for mb in micro_batches(lengths, max_tokens)]
+        built = [build_packed_micro_batch(samples, [rows[k] for k in mb], adv, pad_id, device)
+                 for mb in micro_batches(lengths, max_tokens)]
+    else:
+        built = [build_micro_batch(samples, [rows[k][0] for k in mb], adv, pad_id, device)
+                 for mb in micro_batches(lengths, max_tokens)]
+    if weight is None:
+        return built
+    return [dataclasses.replace(mb, weight=torch.tensor(
+        [float(weight[i]) for i in mb.index for _ in trained(samples[i])], dtype=torch.float32, device=device))
+        for mb in built]

@@ -168,6 +168,7 @@ class Trainer:
         self.cfg: TrainerSettings = settings.trainer
         self.device = self.cfg.device
         self.temperature = settings.rollout.temperature
+        self.max_new_tokens = settings.rollout.max_new_tokens  # trainer.loss_agg = constant's normaliser
         self.publish_dtype = getattr(torch, settings.rollout.dtype)
         if model is None:
             model, tokenizer = load_model(settings.model.path, seed=settings.run.seed,
@@ -310,12 +311,13 @@ class Trainer:
     # ---- one update ----------------------------------------------------------------------
 
     def _micro_batches(self, samples: list[wire.TrainSample], lo: int, hi: int,
-                       adv: torch.Tensor) -> list[MicroBatch]:
+                       adv: torch.Tensor, weight: torch.Tensor | None = None) -> list[MicroBatch]:
         """samples[lo:hi] in token-budget micro-batches, packed when prompts are shared: this
-        rank's share of them (all, with one rank)."""
+        rank's share of them (all, with one rank). `weight` [B]: MicroBatch.weight's per sample."""
         return plan_micro_batches(samples, lo, hi, adv, packed=self.share_prompts,
                                   max_tokens=self.cfg.micro_tokens, pad_id=self.pad_id,
-                                  device=self.device, part=self.ranks.rank, parts=self.ranks.world)
+                                  device=self.device, part=self.ranks.rank, parts=self.ranks.world,
+                                  weight=weight)
 
     def train(self, msg: wire.Train) -> wire.Trained:
         """One update on msg.samples (the RL update, or the supervised step when msg.objective
@@ -347,7 +349,7 @@ class Trainer:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         groups = torch.tensor([s.group for s in samples], dtype=torch.long)
         adv = losses.advantages(rewards, groups, cfg.advantage)  # [B]
-        mine, totals = self._mini_batches(samples, adv)
+        mine, totals = self._mini_batches(samples, adv, cfg.loss_agg)
 
         # pi_prox is this version's policy. The first mini-batch trains on exactly these
         # weights, so its own forward is pi_prox (detached: ratio 1, and no second pass);
@@ -389,7 +391,7 @@ class Trainer:
         step as in RL (mini-batches, clip, AdamW)."""
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         adv = torch.zeros(len(samples), dtype=torch.float64)
-        mine, totals = self._mini_batches(samples, adv)
+        mine, totals = self._mini_batches(samples, adv)  # SFT: the token mean
         prox: dict[int, torch.Tensor] = {}  # only for _summary's shapes: no ratio here
 
         def token_loss(k: int, mb: MicroBatch, logp: torch.Tensor) -> tuple:
@@ -402,18 +404,25 @@ class Trainer:
         out.update(reduce_s=reduce_s)
         return out
 
-    def _mini_batches(self, samples: list[wire.TrainSample],
-                      adv: torch.Tensor) -> tuple[list[list[MicroBatch]], list[int]]:
+    def _mini_batches(self, samples: list[wire.TrainSample], adv: torch.Tensor,
+                      agg: str = "token") -> tuple[list[list[MicroBatch]], list[int]]:
         """Per mini-batch: this rank's micro-batches, and the completion tokens of all ranks.
 
         Mini-batches are consecutive slices (groups stay together when B divides evenly); pi_prox
         uses the very micro-batches the update uses, so at equal weights the decoupled ratio is
-        exactly 1, even under bf16."""
+        exactly 1, even under bf16. `agg` (trainer.loss_agg) other than token weighs each
+        sequence's tokens (losses.sequence_weights over its mini-batch, the same on every rank)."""
         n_mini = min(self.cfg.minibatches, len(samples))
         bounds = [round(k * len(samples) / n_mini) for k in range(n_mini + 1)]
-        mine = [self._micro_batches(samples, lo, hi, adv) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-        totals = [sum(trained_count(samples[i]) for i in range(lo, hi))
-                  for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        slices = list(zip(bounds[:-1], bounds[1:], strict=True))
+        weight = None
+        if agg != "token":
+            weight = torch.zeros(len(samples), dtype=torch.float64)
+            for lo, hi in slices:
+                weight[lo:hi] = losses.sequence_weights([trained_count(samples[i]) for i in range(lo, hi)],
+                                                        agg, self.max_new_tokens)
+        mine = [self._micro_batches(samples, lo, hi, adv, weight) for lo, hi in slices]
+        totals = [sum(trained_count(samples[i]) for i in range(lo, hi)) for lo, hi in slices]
         return mine, totals
 
     def _descend(self, mine: list[list[MicroBatch]], totals: list[int], temperature: float,
@@ -436,7 +445,8 @@ class Trainer:
                 with self._autocast(), lora.dropout_on(self.model, self.dropout):
                     logp, entropy = self._forward(self.model, mb, temperature=temperature)  # [T], [T]
                 tok_loss, st, kl = token_loss(k, mb, logp)
-                loss = tok_loss.sum() / total  # token-level aggregation over the mini-batch
+                # trainer.loss_agg: the token mean of the mini-batch, or each token its sequence's weight
+                loss = tok_loss.sum() / total if mb.weight is None else (tok_loss * mb.weight).sum()
                 loss.backward()
                 loss_sum = loss_sum + loss.detach().double()
                 stats.add(st, entropy, kl)

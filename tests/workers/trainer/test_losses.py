@@ -231,3 +231,17 @@ def test_token_logprobs_of_a_frozen_head_give_the_same_hidden_gradient_and_none_
         losses.token_logprobs(hidden, head, targets, 0.7)[0].sum().backward()
         grads.append((hidden.grad, head.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and grads[0][1] is not None and grads[1][1] is None
+
+
+def test_sequence_weights_by_hand() -> None:
+    """Token losses 1 everywhere on replies of 2, 0 and 4 trained tokens (S = 2 with a token)."""
+    lengths = [2, 0, 4]
+    w = {kind: losses.sequence_weights(lengths, kind, max_len=8).tolist() for kind in ("token", "sequence", "constant")}
+    assert w["token"] == pytest.approx([1 / 6, 1 / 6, 1 / 6])  # sum 6 / 6 tokens = 1
+    assert w["sequence"] == pytest.approx([1 / 4, 0.0, 1 / 8])  # (2/2 + 4/4) / 2 = 1
+    assert w["constant"] == pytest.approx([1 / 16, 1 / 16, 1 / 16])  # 6 / (2 x 8)
+    loss = {kind: sum(wi * n for wi, n in zip(ws, lengths, strict=True)) for kind, ws in w.items()}
+    assert loss == pytest.approx({"token": 1.0, "sequence": 1.0, "constant": 6 / 16})
+    assert losses.sequence_weights([0, 0], "sequence", 8).tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="loss aggregation"):
+        losses.sequence_weights([1], "mean", 8)

@@ -522,3 +522,31 @@ def test_tool_turns_get_no_loss_and_no_gradient(tmp_path, batch, share) -> None:
     assert reply.stats["tokens"] == int(keep.sum())
     assert all(value is None or value == value for value in reply.stats.values())  # no NaN anywhere
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_loss_aggregation_is_each_kinds_reference_formula(tmp_path, batch) -> None:
+    """trainer.loss_agg on ragged replies, pg (token loss -A logp): token = sum / tokens,
+    sequence = mean over sequences of each one's token mean, constant = sum / (S x max_new_tokens);
+    the same however the mini-batch is cut into micro-batches."""
+    from areal_aio.workers.trainer.losses import advantages
+
+    samples = ragged(batch)
+    probe = make_trainer(tmp_path / "probe")
+    adv = advantages(torch.tensor([s.reward for s in samples]), torch.tensor([s.group for s in samples]))
+    per_seq = []
+    for i in range(len(samples)):
+        mb = build_micro_batch(samples, [i], adv, probe.pad_id, "cpu")
+        per_seq.append((-mb.adv * probe.logprobs(mb)).double().detach())
+    n = sum(len(t) for t in per_seq)
+    max_len = probe.max_new_tokens
+    want = {"token": sum(float(t.sum()) for t in per_seq) / n,
+            "sequence": sum(float(t.mean()) for t in per_seq) / len(per_seq),
+            "constant": sum(float(t.sum()) for t in per_seq) / (len(per_seq) * max_len)}
+    ordered = sorted(want.values())
+    assert ordered[1] - ordered[0] > 0.01 * abs(ordered[1]) and ordered[2] - ordered[1] > 0.01 * abs(ordered[2])
+    cases = [(agg, "on", 100000) for agg in want] + [("sequence", "off", 48), ("constant", "on", 48)]
+    for agg, share, micro in cases:
+        trainer = make_trainer(tmp_path / f"{agg}-{share}-{micro}", "trainer.objective=pg", f"trainer.loss_agg={agg}",
+                               f"trainer.share_prompts={share}", f"trainer.micro_tokens={micro}")
+        got = trainer.train(wire.Train(step=0, version=0, samples=samples)).stats["loss"]
+        assert got == pytest.approx(want[agg], rel=1e-4), (agg, share, micro)  # fp32 sums in another order
