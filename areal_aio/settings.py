@@ -193,6 +193,8 @@ class TaskSettings:
     eval_seed: int = opt(10_000, "Seed of the held-out eval set; must differ from run.seed.", ge=0)
     eval_every: int = opt(5, "Evaluate every this many trainer steps (and at step 0 and the end).", ge=1)
     format_bonus: float = opt(0.2, "Extra reward for an <answer> tag, paid only when the answer is also correct.", ge=0)
+    overlong_buffer: int = opt(0, "DAPO's soft overlong penalty: a training reply longer than rollout.max_new_tokens - overlong_buffer tokens loses overlong_penalty x (its tokens past that) / overlong_buffer, up to overlong_penalty at max_new_tokens; 0 = off. Single replies only (an episode's are not shaped); evals are never shaped.", ge=0)
+    overlong_penalty: float = opt(1.0, "The most the overlong penalty takes (at rollout.max_new_tokens).", ge=0)
     episode: str = opt("", "A multi-turn episode: \"package.module:function\" naming an `async def episode(task, model)` that calls `await model.reply()` as often as it likes, adds tool or environment turns between replies with model.add_turn(role, text), and returns its reward (float or Score) or None (task.reward scores the last reply). One trained sequence per episode, the added turns masked out of the loss (areal_aio/control/episodes.py). \"\" = one reply per task (task.name = calculator: its calculator episode). Built in besides: \"areal_aio.tasks.code_feedback:episode\" (code tasks: a failing program sees why and tries again).", parse=episode_value)
     episode_turns: int = opt(4, "Episode bound: model replies per episode; one more model.reply() ends the episode with reward 0 (counted in episode_failures).", ge=1)
     episode_tokens: int = opt(512, "Episode bound: tokens after the prompt (replies and added turns); a reply gets at most what is left (and rollout.max_new_tokens); none left: reward 0, counted.", ge=1)
@@ -377,6 +379,9 @@ class Settings:
         if self.controller.max_in_flight and self.controller.max_in_flight < self.rollout.group_size:
             raise SettingsError(f"controller.max_in_flight ({self.controller.max_in_flight}) must be 0 or "
                                 f">= rollout.group_size ({self.rollout.group_size}): groups start whole")
+        if self.task.overlong_buffer > self.rollout.max_new_tokens:
+            raise SettingsError(f"task.overlong_buffer: {self.task.overlong_buffer} is more than "
+                                f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")
         if self.controller.dynamic_sampling and self.trainer.advantage == "batch":
             raise SettingsError("controller.dynamic_sampling: needs trainer.advantage = grpo or drgrpo "
                                 "(with batch advantages a group whose rewards are equal still has a gradient)")

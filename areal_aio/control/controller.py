@@ -92,7 +92,15 @@ from areal_aio.fleet.client import WorkerClient, WorkerFailed
 from areal_aio.fleet.rollout_pool import RolloutPool
 from areal_aio.rewards import process as process_reward
 from areal_aio.rewards.pool import RewardPoolBroken
-from areal_aio.rewards.scoring import FAILED, Score, Scorer, as_score, load_rewards
+from areal_aio.rewards.scoring import (
+    FAILED,
+    Score,
+    Scorer,
+    as_score,
+    load_rewards,
+    overlong_penalty,
+    shaped,
+)
 from areal_aio.seeds import derive, sample_seed
 from areal_aio.settings import Settings, SettingsError
 from areal_aio.store import checkpoint
@@ -569,7 +577,13 @@ class Orchestrator:
         await self.rollout.send_many(msgs)
 
     def _scored(self, sample: Sample, group: PendingGroup, score: Score) -> None:
-        """A sample's reward is in; a group whose every sample is scored enters the replay buffer."""
+        """A sample's reward is in (shaped by task.overlong_buffer for a single reply); a group
+        whose every sample is scored enters the replay buffer."""
+        t = self.settings.task
+        if t.overlong_buffer and sample.model is None and sample.completion is not None:
+            score = shaped(score, overlong_penalty(len(sample.completion.completion_ids),
+                                                   self.settings.rollout.max_new_tokens,
+                                                   t.overlong_buffer, t.overlong_penalty))
         sample.score = score
         self.counts.scored(score)
         group.scored += 1

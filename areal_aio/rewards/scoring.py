@@ -65,6 +65,23 @@ class Score:
     components: dict[str, float] | None = None  # several rewards: each one's own (unweighted)
 
 
+def overlong_penalty(tokens: int, max_tokens: int, buffer: int, most: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_tokens - buffer tokens, then falling linearly
+    to -most at max_tokens (buffer 0: off)."""
+    if buffer <= 0 or tokens <= max_tokens - buffer:
+        return 0.0
+    return -most * min(tokens - (max_tokens - buffer), buffer) / buffer
+
+
+def shaped(score: Score, penalty: float) -> Score:
+    """`score` with `penalty` (<= 0) added to its reward and kept as its "overlong" component
+    (0 too: reward/overlong is then a mean over every shaped reply); a failed score stays a 0."""
+    if score.failed:
+        return score
+    components = {**(score.components or {}), "overlong": penalty}
+    return dataclasses.replace(score, reward=score.reward + penalty, components=components)
+
+
 @dataclass(frozen=True, slots=True)
 class Reward:
     """One reward function with its weight and the task columns it takes as keywords."""
@@ -148,7 +165,8 @@ def component_means(scores: list[Score | None]) -> dict[str, float]:
     parts = [s.components for s in scores if s is not None and s.components]
     if not parts:
         return {}
-    return {f"reward/{name}": sum(p[name] for p in parts) / len(parts) for name in parts[0]}
+    names = dict.fromkeys(name for p in parts for name in p)  # a part without one counts it 0
+    return {f"reward/{name}": sum(p.get(name, 0.0) for p in parts) / len(parts) for name in names}
 
 
 class Scorer:

@@ -453,3 +453,20 @@ def test_dynamic_sampling_needs_group_advantages():
     with pytest.raises(Exception, match="controller.dynamic_sampling: needs trainer.advantage"):
         make_settings(**{"controller.dynamic_sampling": True, "trainer.advantage": "batch"})
     assert make_settings(**{"controller.dynamic_sampling": True, "trainer.advantage": "drgrpo"}).controller.dynamic_sampling
+
+
+async def test_overlong_replies_are_shaped_in_training_and_never_in_eval(tmp_path):
+    """Replies of 6 tokens with max_new_tokens 8 and a buffer of 4: 2 tokens into the buffer,
+    each training reward 0.5 lower than the same run's unshaped one; eval rows unchanged."""
+    runs = {}
+    for name, sets in (("off", {}), ("on", {"task.overlong_buffer": 4})):
+        settings = make_settings("sync", **{"run.max_steps": 2, "rollout.max_new_tokens": 8, **sets})
+        summary = await orchestrator(tmp_path / name, settings, rollout=FakeRollout(tokens=6)).run()
+        assert summary["steps"] == 2
+        runs[name] = [orjson.loads(x) for x in (tmp_path / name / "run" / "samples.jsonl").read_bytes().splitlines()]
+    train = {n: {r["request_id"]: r["reward"] for r in rows if r["kind"] == "train"} for n, rows in runs.items()}
+    assert train["on"].keys() == train["off"].keys() and len(train["on"]) == 8
+    assert all(train["on"][k] == pytest.approx(train["off"][k] - 0.5) for k in train["on"])
+    assert all(r["rewards"] == {"overlong": -0.5} for r in runs["on"] if r["kind"] == "train")
+    evals = {n: [r["reward"] for r in rows if r["kind"] == "eval"] for n, rows in runs.items()}
+    assert evals["on"] == evals["off"] and len(evals["on"]) == 8

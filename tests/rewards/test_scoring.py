@@ -326,3 +326,19 @@ def test_a_required_column_missing_from_the_rows_is_named(user_module):
     with pytest.raises(SettingsError, match="generated tasks have no columns"):
         check_columns(rewards, None)
     check_columns(load_rewards(task_settings(f"{user_module}:every_column")), None)  # **kwargs needs none
+
+
+def test_overlong_penalty_is_daps_soft_punishment_by_hand():
+    from areal_aio.rewards.scoring import Score, component_means, overlong_penalty, shaped
+
+    # max 64 tokens, a buffer of 16: nothing up to 48, then -1/16 a token, -1 at 64
+    assert [overlong_penalty(n, 64, 16, 1.0) for n in (10, 48, 49, 56, 64)] == [0.0, 0.0, -1 / 16, -0.5, -1.0]
+    assert overlong_penalty(60, 64, 16, 0.4) == pytest.approx(-0.3)
+    assert overlong_penalty(64, 64, 0, 1.0) == 0.0  # off
+    base = Score(1.2, True, True)
+    assert shaped(base, -0.5) == Score(0.7, True, True, components={"overlong": -0.5})
+    assert shaped(base, 0.0) == Score(1.2, True, True, components={"overlong": 0.0})
+    assert component_means([shaped(base, -0.5), shaped(base, 0.0), None]) == {"reward/overlong": -0.25}
+    assert shaped(Score(0.0, False, failed=True), -0.5).reward == 0.0  # a failure stays a counted 0
+    with pytest.raises(SettingsError, match="task.overlong_buffer"):
+        build_settings({}, ["task.overlong_buffer=65", "rollout.max_new_tokens=64"])
