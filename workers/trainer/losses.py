@@ -92,21 +92,38 @@ class TokenStats:
 
 def token_loss(logp: torch.Tensor, behav: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor, *,
                objective: str, clip_eps: float = 0.2, clip_eps_high: float | None = None,
-               behav_cap: float = 5.0, cap_mode: str = "mask") -> tuple[torch.Tensor, TokenStats]:
-    """Per-token policy loss [T] (to be summed and divided by the mini-batch's token count).
+               behav_cap: float = 5.0, cap_mode: str = "mask",
+               seq: torch.Tensor | None = None) -> tuple[torch.Tensor, TokenStats]:
+    """Per-token policy loss [T] (to be aggregated over the mini-batch: trainer.loss_agg).
 
     logp  [T]: log pi_theta(token), with grad (the policy being updated)
     behav [T]: log pi_behav(token), the sampler's log-probs (from the rollout worker)
     prox  [T]: log pi_prox(token), the trainer's weights before this step (recomputed, no grad)
     adv   [T]: the sequence's advantage repeated on each of its tokens
+    seq   [T]: (gspo) each token's sequence, 0 .. S-1 (a sequence's tokens need not be adjacent)
 
     pg:            -A * logp
     ppo:           -min(r A, clip(r, 1-eps, 1+eps_high) A),  r = pi_theta / pi_behav
     decoupled_ppo: -w * min(r A, clip(r, ...) A),  r = pi_theta / pi_prox,
                    w = pi_prox / pi_behav (no grad), tokens with w > behav_cap
                    masked (w = 0) or clamped (w = behav_cap)  (Fu et al. 2025, AReaL)
+    gspo:          -w_i * min(s A, clip(s, ...) A) on each token t of sequence i, where
+                   s = sg(s_i) * pi_theta(t) / sg(pi_theta(t)): its value is the sequence's
+                   ratio s_i = exp(mean_t log(pi_theta / pi_prox)), its gradient s_i * grad
+                   log pi_theta(t) (GSPO-token, Zheng et al. 2025); w_i = exp(mean_t log(pi_prox /
+                   pi_behav)), the behaviour correction at the sequence level, capped as above.
+                   With trainer.loss_agg = sequence this is GSPO's sequence-mean objective.
+    cispo:         -w * sg(clip(r, 1-eps, 1+eps_high)) * A * logp,  r = pi_theta / pi_prox, w as
+                   decoupled_ppo's (MiniMax-M1's CISPO: the IS weight is clipped, never the
+                   gradient, so every token keeps one; `clipped` counts the weights clipped)
     sft:           -logp (behav, prox and adv unused): summed and divided by the tokens, the
                    token-mean negative log-likelihood of the completions
+
+    gspo and cispo take their ratio against pi_prox (the trainer's weights before this step)
+    and correct for pi_behav with the capped weight w, which is decoupled PPO's composition:
+    with one mini-batch pi_prox = pi_theta, so r = s = 1 and both are w-weighted policy
+    gradients. Against pi_behav directly (as the papers, whose samplers are one version old)
+    the same formulas hold with prox = behav: pass behav for both.
     """
     if objective not in (*OBJECTIVES, SFT):
         raise ValueError(f"objective {objective!r}; choose one of {', '.join((*OBJECTIVES, SFT))}")
@@ -122,18 +139,44 @@ def token_loss(logp: torch.Tensor, behav: torch.Tensor, prox: torch.Tensor, adv:
         ratio = torch.exp(logp.detach() - behav)
         no_clip = torch.zeros_like(capped)
         return -adv * logp, TokenStats(ratio, no_clip, behav_w, torch.zeros_like(capped))
-    anchor = behav if objective == "ppo" else prox
-    ratio = torch.exp(logp - anchor)
+    if objective == "cispo":
+        ratio_d = torch.exp(logp.detach() - prox)
+        is_w = torch.clamp(ratio_d, 1.0 - clip_eps, 1.0 + high)
+        weight = _capped(behav_w, capped, behav_cap, cap_mode)
+        return -weight * is_w * adv * logp, TokenStats(ratio_d, is_w != ratio_d, behav_w, capped)
+    if objective == "gspo":
+        if seq is None:
+            raise ValueError("gspo needs seq: each token's sequence")
+        log_s = _segment_mean(logp.detach() - prox, seq)  # [T]: the sequence's log s_i
+        ratio = torch.exp(log_s + logp - logp.detach())
+        seq_w = torch.exp(_segment_mean(prox - behav, seq))  # the sequence's behaviour weight
+        capped = seq_w > behav_cap
+        behav_w = seq_w
+    else:
+        anchor = behav if objective == "ppo" else prox
+        ratio = torch.exp(logp - anchor)
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * adv)
     ratio_d = ratio.detach()
     clipped = ((ratio_d < 1.0 - clip_eps) & (adv < 0)) | ((ratio_d > 1.0 + high) & (adv > 0))
     if objective == "ppo":
         return -surrogate, TokenStats(ratio_d, clipped, behav_w, torch.zeros_like(capped))
-    if cap_mode == "mask":
-        weight = torch.where(capped, torch.zeros_like(behav_w), behav_w)
-    else:
-        weight = torch.clamp(behav_w, max=behav_cap)
+    weight = _capped(behav_w, capped, behav_cap, cap_mode)
     return -weight * surrogate, TokenStats(ratio_d, clipped, behav_w, capped)
+
+
+def _capped(behav_w: torch.Tensor, capped: torch.Tensor, behav_cap: float, cap_mode: str) -> torch.Tensor:
+    """The behaviour weight with `capped` entries masked (0) or clamped to behav_cap."""
+    if cap_mode == "mask":
+        return torch.where(capped, torch.zeros_like(behav_w), behav_w)
+    return torch.clamp(behav_w, max=behav_cap)
+
+
+def _segment_mean(x: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    """Each token's sequence mean of x [T] (seq [T]: the sequence of each token), per token."""
+    n = int(seq.max()) + 1 if seq.numel() else 0
+    sums = torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seq, x)
+    counts = torch.bincount(seq, minlength=n).to(x.dtype)
+    return (sums / counts)[seq]
 
 
 def k3_kl(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

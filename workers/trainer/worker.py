@@ -71,7 +71,7 @@ from typing import Any
 import torch
 
 from areal_aio import wire
-from areal_aio.settings import SFT, Settings, TrainerSettings
+from areal_aio.settings import DECOUPLED, SFT, Settings, TrainerSettings
 from areal_aio.store.weights import WeightStore
 from areal_aio.workers import lora
 from areal_aio.workers.common import EOF, Channel, configure_torch, serve
@@ -368,10 +368,14 @@ class Trainer:
         def token_loss(k: int, mb: MicroBatch, logp: torch.Tensor) -> tuple:
             if k == 0 and not self.dropout:  # no step taken yet: this forward is pi_prox
                 prox[id(mb)] = logp.detach().float()
+            seq = None
+            if objective == "gspo":  # each token's sequence: samples[mb.index] in target order
+                counts = torch.tensor([trained_count(samples[i]) for i in mb.index], device=logp.device)
+                seq = torch.repeat_interleave(torch.arange(len(mb.index), device=logp.device), counts)
             tok_loss, st = losses.token_loss(
                 logp, mb.behav, prox[id(mb)], mb.adv, objective=objective,
                 clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
-                behav_cap=cfg.behav_cap, cap_mode=cfg.cap_mode)
+                behav_cap=cfg.behav_cap, cap_mode=cfg.cap_mode, seq=seq)
             kl = None
             if cfg.kl_coef > 0:
                 kl = losses.k3_kl(logp, ref[id(mb)] if self.use_ref else mb.behav)
@@ -480,7 +484,7 @@ class Trainer:
         versions = [samples[i].versions[j] for mb in mbs for i in mb.index for j in trained(samples[i])]
         own = [k for k, v in enumerate(versions) if v == self.version]
         w = torch.exp(prox_all - behav)
-        capped = (w > cfg.behav_cap) if objective == "decoupled_ppo" else torch.zeros_like(w, dtype=torch.bool)
+        capped = (w > cfg.behav_cap) if objective in DECOUPLED else torch.zeros_like(w, dtype=torch.bool)
         r = (prox_all - behav).index_select(0, torch.tensor(own, dtype=torch.long, device=behav.device))
         empty = not w.numel()
         sums = {"tokens": zero + stats.tokens, "computed": zero + sum(mb.computed for mb in mbs),

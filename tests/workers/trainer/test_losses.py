@@ -245,3 +245,50 @@ def test_sequence_weights_by_hand() -> None:
     assert losses.sequence_weights([0, 0], "sequence", 8).tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="loss aggregation"):
         losses.sequence_weights([1], "mean", 8)
+
+
+def test_gspo_is_the_sequence_ratio_clipped_per_sequence_by_hand() -> None:
+    """Two sequences (tokens 0-1 and 2-4): s_i = exp(mean log(pi / pi_prox)), the clip on s_i,
+    each token's gradient s_i * A_i * w_i (0 where the clip holds), w_i the sequence's capped
+    behaviour weight exp(mean log(pi_prox / pi_behav))."""
+    seq = torch.tensor([0, 0, 1, 1, 1])
+    prox = torch.tensor([-1.0, -2.0, -1.0, -1.5, -0.5])
+    logp = (prox + torch.tensor([0.1, 0.3, 0.5, 0.4, 0.6])).requires_grad_()  # mean log ratio 0.2, 0.5
+    behav = prox - torch.tensor([0.2, 0.0, 0.1, 0.1, 0.1])  # mean log(prox / behav): 0.1, 0.1
+    adv = torch.tensor([1.0, 1.0, 2.0, 2.0, 2.0])
+    loss, st = losses.token_loss(logp, behav, prox, adv, objective="gspo", clip_eps=0.1, clip_eps_high=0.3,
+                                 seq=seq)
+    s = [math.exp(0.2), math.exp(0.5)]  # 1.221 inside [0.9, 1.3]; 1.649 over it (A > 0: clipped)
+    w = math.exp(0.1)
+    want = [-w * s[0] * 1.0] * 2 + [-w * 1.3 * 2.0] * 3
+    assert loss.tolist() == pytest.approx(want, rel=1e-6)
+    loss.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-w * s[0] * 1.0] * 2 + [0.0] * 3, rel=1e-6)
+    assert st.clipped.tolist() == [False, False, True, True, True]
+    with pytest.raises(ValueError, match="gspo needs seq"):
+        losses.token_loss(logp, behav, prox, adv, objective="gspo")
+
+
+def test_cispo_clips_the_weight_and_never_the_gradient_by_hand() -> None:
+    prox = torch.tensor([-1.0, -1.0, -1.0])
+    logp = (prox + torch.tensor([0.0, 0.5, -0.5])).requires_grad_()  # r = 1, 1.65, 0.61
+    behav = prox.clone()  # w = 1
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    loss, st = losses.token_loss(logp, behav, prox, adv, objective="cispo", clip_eps=0.2, clip_eps_high=0.28)
+    is_w = [1.0, 1.28, 0.8]
+    assert loss.tolist() == pytest.approx([-is_w[i] * float(adv[i]) * float(logp.detach()[i]) for i in range(3)], rel=1e-6)
+    loss.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-is_w[i] * float(adv[i]) for i in range(3)], rel=1e-6)  # none zeroed
+    assert st.clipped.tolist() == [False, True, True]
+
+
+@pytest.mark.parametrize("objective", ["gspo", "cispo", "decoupled_ppo"])
+def test_on_policy_with_prox_equal_behav_every_decoupled_objective_is_pg(objective) -> None:
+    """pi_theta = pi_prox = pi_behav (one mini-batch, fresh samples): ratio 1, weight 1, so the
+    gradient is policy gradient's -A on every token."""
+    logp = torch.tensor([-0.5, -1.0, -2.0, -0.1]).requires_grad_()
+    fixed = logp.detach().clone()
+    adv = torch.tensor([0.5, 0.5, -1.5, -1.5])
+    loss, _ = losses.token_loss(logp, fixed, fixed, adv, objective=objective, seq=torch.tensor([0, 0, 1, 1]))
+    loss.sum().backward()
+    assert logp.grad.tolist() == pytest.approx((-adv).tolist())

@@ -298,7 +298,7 @@ def test_prox_is_the_policy_before_the_update_in_every_mini_batch(tmp_path, batc
     assert stats["ratio_max"] > stats["ratio_min"]  # the second mini-batch ran on moved weights
 
 
-@pytest.mark.parametrize("objective", ["pg", "ppo", "decoupled_ppo"])
+@pytest.mark.parametrize("objective", ["pg", "ppo", "decoupled_ppo", "gspo", "cispo"])
 def test_repeated_updates_raise_the_reward_weighted_logprob(tmp_path, batch, objective) -> None:
     trainer = make_trainer(tmp_path, f"trainer.objective={objective}", "trainer.lr=3e-3",
                            "trainer.minibatches=2")
