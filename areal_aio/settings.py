@@ -236,6 +236,7 @@ class TrainerSettings:
     cap_mode: str = opt("mask", "decoupled_ppo, gspo, cispo: tokens (gspo: sequences) over behav_cap are masked out or clamped to the cap.", choices=CAP_MODES)
     kl_coef: float = opt(0.0, "k3 KL penalty coefficient; 0 disables.", ge=0)
     kl_ref: str = opt("behav", "KL against the behaviour log-probs or a frozen copy of the initial weights.", choices=("behav", "ref"))
+    entropy_coef: float = opt(0.0, "Entropy bonus: each token's loss minus entropy_coef x the policy's entropy there (gradient through the entropy); 0 = off.", ge=0)
     minibatches: int = opt(1, "Optimizer steps per batch (the batch is split into this many).", ge=1)
     micro_tokens: int = opt(4096, "Token cap of one micro-batch (dynamic batching): the positions the model computes, padding included; gradients accumulate across them.", ge=16)
     share_prompts: str = opt("auto", "Pack each group into one row, its prompt once and then its completions, each seeing the prompt and its own past (exact; computes the real tokens, no padding to the longest reply; needs sdpa or eager attention): on | off | auto (on for CPU; off for CUDA, where a small model is kernel-launch-bound and the layout is not measured yet).", choices=("auto", "on", "off"))

@@ -204,7 +204,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                temperature: float, compute_dtype: torch.dtype | None
+                temperature: float, compute_dtype: torch.dtype | None, entropy_grad: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         dt = compute_dtype or hidden.dtype
@@ -223,14 +223,16 @@ class _TokenLogprobs(torch.autograd.Function):
             lse[lo:hi] = top[:, 0] + total.log()
             logp[lo:hi] = z.gather(1, targets[lo:hi, None])[:, 0] - lse[lo:hi]
             ent[lo:hi] = lse[lo:hi] - e.mul_(z).sum(dim=-1) / total
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.temperature, ctx.compute_dtype, ctx.chunk = temperature, dt, chunk
-        ctx.mark_non_differentiable(ent)
+        ctx.entropy_grad = entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx: Any, g_logp: torch.Tensor, g_ent: torch.Tensor) -> tuple[Any, ...]:
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
         dt, t, chunk = ctx.compute_dtype, ctx.temperature, ctx.chunk
         acc = lse.dtype
         h, w = hidden.to(dt), weight.to(dt)
@@ -239,31 +241,38 @@ class _TokenLogprobs(torch.autograd.Function):
         want_w = ctx.needs_input_grad[1]
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         g_logp = g_logp.to(acc)
+        g_ent = g_ent.to(acc) if ctx.entropy_grad and g_ent is not None else None
         for lo in range(0, hidden.shape[0], chunk):
             hi = min(hidden.shape[0], lo + chunk)
             g = g_logp[lo:hi]  # [c]
             z = (h[lo:hi] @ w.T).to(acc).div_(t)  # [c, V]
             # d logp / d z = onehot(target) - softmax(z); then d z / d (h W^T) = 1 / t
-            gz = (z - lse[lo:hi, None]).exp_().mul_(-g[:, None])
+            if g_ent is None:
+                gz = (z - lse[lo:hi, None]).exp_().mul_(-g[:, None])
+            else:  # d entropy / d z_k = -p_k (log p_k + entropy)
+                log_p = z.sub_(lse[lo:hi, None])
+                p = log_p.exp()
+                gz = p * (-g[:, None] - g_ent[lo:hi, None] * (log_p + ent[lo:hi, None]))
             gz.scatter_add_(1, targets[lo:hi, None], g[:, None])
             gz.div_(t)
             grad_h[lo:hi] = (gz.to(dt) @ w).to(acc)  # [c, H]
             if want_w:
                 grad_w += (gz.T.to(dt) @ h[lo:hi]).to(acc)  # [V, H]
         return (grad_h.to(hidden.dtype), grad_w.to(weight.dtype) if want_w else None,
-                None, None, None)
+                None, None, None, None)
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                   temperature: float = 1.0, compute_dtype: torch.dtype | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log pi(target) [T], entropy [T] (no grad)) of logits = hidden [T, H] @ weight [V, H]^T / temperature.
+                   temperature: float = 1.0, compute_dtype: torch.dtype | None = None,
+                   entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(target) [T], entropy [T]) of logits = hidden [T, H] @ weight [V, H]^T / temperature.
 
     The same numbers as log_softmax over full logits, without a [T, V] tensor for the
     whole micro-batch; the matmuls run in `compute_dtype` (bf16 under autocast), the
-    softmax in fp32. Gradients flow to hidden and, unless it is frozen, weight.
+    softmax in fp32. Gradients flow to hidden and, unless it is frozen, weight; through the
+    entropy too when `entropy_grad` (trainer.entropy_coef), else it is a constant.
     """
-    return _TokenLogprobs.apply(hidden, weight, targets, float(temperature), compute_dtype)
+    return _TokenLogprobs.apply(hidden, weight, targets, float(temperature), compute_dtype, entropy_grad)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

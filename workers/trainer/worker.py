@@ -223,9 +223,10 @@ class Trainer:
         return torch.autocast(device_type=torch.device(self.device).type, dtype=torch.bfloat16)
 
     def _forward(self, model: Any, mb: MicroBatch, fast: bool | None = None,
-                 temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log pi(token) [T] with grad, entropy [T]) at `mb`'s completion tokens, under
-        logits / temperature (default: the rollout's); call inside `_autocast()`."""
+                 temperature: float | None = None, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log pi(token) [T] with grad, entropy [T], with grad only when `entropy_grad`) at
+        `mb`'s completion tokens, under logits / temperature (default: the rollout's); call
+        inside `_autocast()`."""
         fast = self._fast_head if fast is None else fast
         temperature = self.temperature if temperature is None else temperature
         inputs = dict(input_ids=mb.input_ids, attention_mask=self._attention_mask(model, mb),
@@ -236,11 +237,11 @@ class Trainer:
             head = model.get_output_embeddings().weight  # [V, H]
             on = torch.is_autocast_enabled(torch.device(self.device).type)
             dtype = torch.bfloat16 if on else None  # autocast does not reach a Function's backward
-            return losses.token_logprobs(hidden, head, mb.targets, temperature, dtype)
+            return losses.token_logprobs(hidden, head, mb.targets, temperature, dtype, entropy_grad)
         logits = model(**inputs).logits.flatten(0, 1).index_select(0, mb.gather)  # [T, V]
         logits = logits.float() / temperature
         logp = logits.gather(1, mb.targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             return logp, losses.entropy_from_logits(logits)
 
     @staticmethod
@@ -382,7 +383,7 @@ class Trainer:
                 tok_loss = tok_loss + cfg.kl_coef * kl
             return tok_loss, st, kl
 
-        stats, reduce_s = self._descend(mine, totals, self.temperature, token_loss)
+        stats, reduce_s = self._descend(mine, totals, self.temperature, token_loss, cfg.entropy_coef)
         out = self._summary(samples, mine, prox, stats, adv, rewards, objective)
         out.update(prox_s=prox_s, reduce_s=reduce_s)
         if cfg.kl_coef <= 0:
@@ -430,10 +431,12 @@ class Trainer:
         return mine, totals
 
     def _descend(self, mine: list[list[MicroBatch]], totals: list[int], temperature: float,
-                 token_loss: Any) -> tuple[_Stats, float]:
+                 token_loss: Any, entropy_coef: float = 0.0) -> tuple[_Stats, float]:
         """One optimizer step per mini-batch: forward each of this rank's micro-batches at
         `temperature`, `token_loss(k, mb, logp) -> (loss [T], TokenStats, kl [T] | None)`,
-        backward, the ranks' all-reduce, clip, AdamW. Returns the stats and the all-reduce time."""
+        minus entropy_coef x each token's entropy (trainer.entropy_coef: a bonus for keeping
+        the policy spread), backward, the ranks' all-reduce, clip, AdamW. Returns the stats
+        and the all-reduce time."""
         cfg = self.cfg
         stats = _Stats(self.device)
         reduce_s = 0.0
@@ -447,8 +450,12 @@ class Trainer:
                 if mb.tokens == 0:
                     continue
                 with self._autocast(), lora.dropout_on(self.model, self.dropout):
-                    logp, entropy = self._forward(self.model, mb, temperature=temperature)  # [T], [T]
+                    logp, entropy = self._forward(self.model, mb, temperature=temperature,
+                                                  entropy_grad=entropy_coef > 0)  # [T], [T]
                 tok_loss, st, kl = token_loss(k, mb, logp)
+                if entropy_coef > 0:
+                    tok_loss = tok_loss - entropy_coef * entropy
+                    entropy = entropy.detach()
                 # trainer.loss_agg: the token mean of the mini-batch, or each token its sequence's weight
                 loss = tok_loss.sum() / total if mb.weight is None else (tok_loss * mb.weight).sum()
                 loss.backward()

@@ -292,3 +292,26 @@ def test_on_policy_with_prox_equal_behav_every_decoupled_objective_is_pg(objecti
     loss, _ = losses.token_loss(logp, fixed, fixed, adv, objective=objective, seq=torch.tensor([0, 0, 1, 1]))
     loss.sum().backward()
     assert logp.grad.tolist() == pytest.approx((-adv).tolist())
+
+
+@pytest.mark.parametrize("chunk_elems", [7, 1 << 22])
+def test_the_entropy_gradient_matches_autograd_through_full_logits(monkeypatch, chunk_elems: int) -> None:
+    """entropy_grad: d/d(h, W) of sum(a * logp + b * entropy) equals autograd's through the full
+    [T, V] logits (trainer.entropy_coef's path); gradcheck in float64 too."""
+    monkeypatch.setattr(losses, "HEAD_CHUNK_ELEMS", chunk_elems)
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(5, 3, generator=g, requires_grad=True)
+    w = torch.randn(4, 3, generator=g, requires_grad=True)
+    targets = torch.tensor([0, 3, 1, 1, 2])
+    logp, ent = losses.token_logprobs(h, w, targets, temperature=0.7, entropy_grad=True)
+    assert ent.requires_grad
+    z = (h @ w.T) / 0.7
+    ref_logp = torch.log_softmax(z, dim=-1).gather(1, targets[:, None])[:, 0]
+    ref_ent = losses.entropy_from_logits(z)
+    a, b = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0]), torch.tensor([0.3, 1.0, -0.7, 0.0, 2.0])
+    got = torch.autograd.grad((a * logp + b * ent).sum(), (h, w))
+    want = torch.autograd.grad((a * ref_logp + b * ref_ent).sum(), (h, w))
+    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(got, want, strict=True))
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda x, y: losses.token_logprobs(x, y, targets, 0.7, entropy_grad=True)[1], (h64, w64))
