@@ -3,7 +3,8 @@
 A task source is any iterable (or async iterable) of `Task` (tasks/task.py). Built in:
   * arithmetic: reasoning-gym's basic_arithmetic, generated offline (tasks/arithmetic.py);
   * calculator: the same problems, trained as episodes with a calculator tool
-    (tasks/calculator.py); its held-out eval asks for one direct answer (arithmetic's prompt);
+    (tasks/calculator.py); its held-out eval is the same episode on held-out problems, with the
+    same instruction (greedy: control/evaluation.py run_episodes);
   * chain: multi-step arithmetic with a worked solution per task, in the step-tagged reply
     format (tasks/chain.py, tasks/steps.py);
   * code: write a Python function, judged by running tests in the sandbox (tasks/code.py):
@@ -67,4 +68,7 @@ def eval_tasks(settings: Settings, rows: list[Task] | None = None) -> list[Task]
         from areal_aio.tasks.code import code_eval
 
         return code_eval(settings.task)
+    if settings.task.name == "calculator":
+        return list(arithmetic_tasks(settings.task, settings.task.eval_seed, settings.task.eval_size, "e",
+                                     instruction=CALCULATOR_INSTRUCTION))
     return list(arithmetic_tasks(settings.task, settings.task.eval_seed, settings.task.eval_size, "e"))

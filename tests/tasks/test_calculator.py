@@ -58,10 +58,13 @@ async def test_the_episode_answers_calls_until_an_answer_or_the_reply_limit(text
     assert all(a[0]["role"] == "tool" for a in script.appended if a)
 
 
-def test_calculator_tasks_offer_the_tool_and_the_eval_asks_for_a_direct_answer():
+def test_calculator_tasks_and_their_held_out_set_offer_the_tool():
     settings = build_settings({}, ["task.name=calculator", "task.eval_size=3"])
     first = next(iter(training_tasks(settings)))
     assert "<calc>expression</calc>" in first.prompt and first.answer
     plain = next(iter(training_tasks(build_settings({}, []))))
     assert plain.id == first.id and plain.answer == first.answer  # the same problems
-    assert all("<calc>" not in t.prompt for t in eval_tasks(settings))
+    held_out = eval_tasks(settings)
+    plain_held_out = eval_tasks(build_settings({}, ["task.eval_size=3"]))
+    assert all("<calc>expression</calc>" in t.prompt for t in held_out)  # the eval runs the episode
+    assert [(t.id, t.answer) for t in held_out] == [(t.id, t.answer) for t in plain_held_out]
