@@ -884,6 +884,7 @@ class Orchestrator:
         reader = asyncio.create_task(self._rollout_reader(), name="rollout_reader_at_stop")
         answered = asyncio.ensure_future(asyncio.gather(*(e.answered.wait() for e in evals)))
         episode_evals: list[asyncio.Future] = []
+        done: asyncio.Future | None = None
         try:
             async with asyncio.timeout(EVAL_AT_STOP_TIMEOUT_S):
                 await self._stop_generating()  # before the reader runs: it drops training answers
@@ -903,9 +904,10 @@ class Orchestrator:
                 [step for step in reruns if not any(row["step"] == step for row in self.eval_curve)]
             self.log.events.info("eval_lost", steps=lost, error=f"{type(exc).__name__}: {exc}")
         finally:
-            for task in (answered, reader, *episode_evals):
+            waited = [answered, reader, *episode_evals, *([done] if done is not None else [])]
+            for task in waited:
                 task.cancel()
-            await asyncio.gather(reader, answered, *episode_evals, return_exceptions=True)
+            await asyncio.gather(*waited, return_exceptions=True)
 
     # ------------------------------------------------------------------ monitoring
 
