@@ -40,11 +40,12 @@ for seed in $SEEDS; do
             --max-wall-s "$MAX_WALL_S" $EXTRA $(sets "$arm") --out "$OUT/$arm"
     done
 done
-python - "$OUT" "$THRESHOLD" "$SEEDS" "$ARMS" <<'PY'
+python - "$OUT" "$THRESHOLD" "$SEEDS" "$ARMS" "$MAX_WALL_S" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 
 out, top, seeds, arms = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3].split(), sys.argv[4].split()
+max_wall_s = float(sys.argv[5])
 levels = sorted({0.70, top})
 
 
@@ -82,12 +83,15 @@ for arm in arms:
         summary[arm][f"median_step_{level:.2f}"] = statistics.median(steps) if steps else None
 base = summary.get("default", {})
 for arm, row in summary.items():
+    if arm == "default":
+        continue
     for level in levels:
         key = f"median_s_{level:.2f}"
         if base.get(key) and row.get(key):
             row[f"vs_default_{level:.2f}"] = row[key] / base[key]
 (out / "loss_menu.json").write_text(json.dumps(
-    {"command": "bash bench/loss_menu.sh", "mode": "areal", "threshold": top, "seeds": seeds,
+    {"command": f'MAX_WALL_S={sys.argv[5]} THRESHOLD={sys.argv[2]} bash bench/loss_menu.sh OUT "{sys.argv[3]}" '
+                f'"{sys.argv[4]}"', "mode": "areal", "threshold": top, "max_wall_s": max_wall_s, "seeds": seeds,
      "summary": summary, "runs": runs}, indent=1))
 print(json.dumps(summary, indent=1))
 print(f"wrote {out / 'loss_menu.json'}", file=sys.stderr)
