@@ -4,7 +4,7 @@
 # load: on 2 cores, each run gets about one core (its rollout and trainer share it).
 #
 #     bash bench/calculator.sh [OUT] [WALL_S]   # default bench/out/calculator, 1800 s (30 min)
-#     EXTRA=--quick bash bench/calculator.sh /tmp/calc 60   # a smoke run on tiny-random
+#     EXTRA=--quick bash bench/calculator.sh OUT 60   # a smoke run on tiny-random
 #
 # Last, OUT/calculator.json compares the arms from their samples.jsonl (sampled at T=0.7, the
 # calculator's with its tool): pass rate, tool-call rate, replies and tokens per episode over

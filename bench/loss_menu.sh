@@ -5,7 +5,7 @@
 #
 #     bash bench/loss_menu.sh [OUT] [SEEDS] [ARMS]     # default bench/out/loss-menu, seeds "0 1 2", every arm
 #     MAX_WALL_S=600 THRESHOLD=0.80 bash bench/loss_menu.sh OUT "0" "default dynamic gspo"
-#     EXTRA=--quick bash bench/loss_menu.sh /tmp/menu "0"   # a smoke run on tiny-random
+#     EXTRA=--quick bash bench/loss_menu.sh OUT "0"   # a smoke run on tiny-random
 #
 # Last, OUT/loss_menu.json gathers the arms: per seed the time and first eval step at 0.70 and at
 # THRESHOLD, the final pass rate, the mean entropy of the last 5 steps and the skipped samples;
