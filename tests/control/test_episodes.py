@@ -39,6 +39,34 @@ class Jittery(Jitter, ReplyRollout):
     """Each request sleeps a random time per token: groups finish out of order."""
 
 
+def watching(base: type, keep) -> type:
+    """`base`, a fake rollout class, whose messages sent to it that `keep(msg)` accepts are
+    also kept in its `sent`, in order."""
+
+    class Watching(base):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self.sent: list = []
+
+        async def send(self, msg):
+            if keep(msg):
+                self.sent.append(msg)
+            await super().send(msg)
+
+    return Watching
+
+
+def calculator_call(prompt, version) -> str:
+    """A fake policy that calls the calculator on its task's two terms."""
+    a, b = (int(x) for x in prompt.split("Calculate ")[1].split(".")[0].split(" + "))
+    return f"<calc>{a} + {b}</calc>"
+
+
+def tagged_tool_value(msg, version) -> str:
+    """A fake continuation that answers with the tool turn's value, tagged."""
+    return f"<answer>{msg.append[0]['content']}</answer>"
+
+
 async def two_replies(task, model) -> float:
     """One tool turn between two replies; the reward: the first reply's length parity."""
     first = await model.reply()
@@ -81,13 +109,9 @@ async def test_an_episode_trains_one_sequence_with_exact_mask_logprobs_and_versi
 
 
 async def test_later_replies_carry_the_exact_ids_so_far_and_only_the_new_turns(tmp_path):
-    sent: list[wire.Generate] = []
-
-    class Watching(ReplyRollout):
-        async def send(self, msg):
-            if isinstance(msg, wire.Generate) and msg.request_id.startswith("g0.0"):
-                sent.append(msg)
-            await super().send(msg)
+    rollout = watching(ReplyRollout, lambda m: isinstance(m, wire.Generate) and m.request_id.startswith("g0.0"))(
+        tokens=2)
+    sent = rollout.sent
 
     async def three(task, model):
         await model.reply()
@@ -97,7 +121,7 @@ async def test_later_replies_carry_the_exact_ids_so_far_and_only_the_new_turns(t
         await model.reply()  # no turn between: the exact ids, then a new assistant turn
 
     await orchestrator(tmp_path, make_settings("sync", **{"run.max_steps": 1, "task.episode_turns": 3}),
-                       rollout=Watching(tokens=2), episode=three).run()
+                       rollout=rollout, episode=three).run()
     assert [m.request_id for m in sent] == ["g0.0.r0", "g0.0.r1", "g0.0.r2"]
     assert sent[0].context_ids is None and sent[0].append is None
     p = prompt_ids(sent[0])
@@ -282,17 +306,13 @@ async def test_task_name_calculator_runs_the_calculator_episode(tmp_path):
     """The fake model calls the calculator first, then answers with the value it was given."""
     seen: list[wire.Generate] = []
 
-    def calls(prompt, version):
-        a, b = (int(x) for x in prompt.split("Calculate ")[1].split(".")[0].split(" + "))
-        return f"<calc>{a} + {b}</calc>"
-
     def answers(msg, version):
         seen.append(msg)
-        return f"<answer>{msg.append[0]['content']}</answer>"
+        return tagged_tool_value(msg, version)
 
     trainer = FakeTrainer()
     summary = await orchestrator(tmp_path, make_settings("sync", **{"task.name": "calculator", "run.max_steps": 2}),
-                                 rollout=FakeRollout(policy=calls, continuation=answers), trainer=trainer).run()
+                                 rollout=FakeRollout(policy=calculator_call, continuation=answers), trainer=trainer).run()
     assert summary["steps"] == 2 and summary["episode_failures"] == 0
     assert all(m.append[0]["role"] == "tool" for m in seen)
     trained = rows(tmp_path / "run")
@@ -304,23 +324,11 @@ async def test_task_name_calculator_runs_the_calculator_episode(tmp_path):
 async def test_an_episode_runs_eval_is_greedy_episodes_with_their_turns(tmp_path):
     """The held-out eval of a calculator run runs the calculator episode too: every reply greedy,
     the tool's answer between, scored by the last reply; its rows keep their turns."""
-    seen: list[wire.Generate] = []
-
-    class Watching(FakeRollout):
-        async def send(self, msg):
-            if isinstance(msg, wire.Generate) and msg.request_id.startswith("eval"):
-                seen.append(msg)
-            await super().send(msg)
-
-    def calls(prompt, version):
-        a, b = (int(x) for x in prompt.split("Calculate ")[1].split(".")[0].split(" + "))
-        return f"<calc>{a} + {b}</calc>"
-
-    def answers(msg, version):
-        return f"<answer>{msg.append[0]['content']}</answer>"
-
+    rollout = watching(FakeRollout, lambda m: isinstance(m, wire.Generate) and m.request_id.startswith("eval"))(
+        policy=calculator_call, continuation=tagged_tool_value)
+    seen = rollout.sent
     settings = make_settings("sync", **{"task.name": "calculator", "run.max_steps": 2})
-    summary = await orchestrator(tmp_path, settings, rollout=Watching(policy=calls, continuation=answers)).run()
+    summary = await orchestrator(tmp_path, settings, rollout=rollout).run()
     assert [e["step"] for e in summary["eval_curve"]] == [0, 2]
     assert all(e["pass_rate"] == 1.0 and e["episode_failures"] == 0 for e in summary["eval_curve"])
     assert sorted(m.request_id for m in seen if m.request_id.startswith("eval0.")) == \
@@ -354,15 +362,7 @@ async def test_a_cancel_during_an_episode_eval_runs_it_again_within_the_bound(tm
     from areal_aio.control import controller
 
     monkeypatch.setattr(controller, "EVAL_AT_STOP_TIMEOUT_S", bound_s)
-    aborted: set[str] = set()
-
-    class Recording(ReplyRollout):
-        async def send(self, msg):
-            if isinstance(msg, wire.Abort):
-                aborted.add(msg.request_id)
-            await super().send(msg)
-
-    rollout = Recording(tokens=100, token_delay_s=delay_s)
+    rollout = watching(ReplyRollout, lambda m: isinstance(m, wire.Abort))(tokens=100, token_delay_s=delay_s)
     orch = orchestrator(tmp_path, make_settings("areal"), rollout=rollout, episode=two_replies)
     run = asyncio.create_task(orch.run())
     while not any(rid.startswith("eval0.") for _, what, rid in rollout.log if what == "generate"):
@@ -374,6 +374,7 @@ async def test_a_cancel_during_an_episode_eval_runs_it_again_within_the_bound(tm
     sent = [rid for _, what, rid in rollout.log if what == "generate"]
     assert not [rid for rid in sent if rid.startswith("g")]  # the baseline eval goes first
     answered = {rid for _, what, rid in rollout.log if what == "done"}
+    aborted = {m.request_id for m in rollout.sent}
     assert {rid for rid in sent if rid.startswith("eval0.")} <= aborted | answered  # none left running
     events = [orjson.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_bytes().splitlines()]
     summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
@@ -393,8 +394,7 @@ async def test_the_eval_command_runs_greedy_episodes(tmp_path):
     from areal_aio.rewards.scoring import Scorer, load_rewards
 
     settings = make_settings("sync", **{"task.name": "calculator"})
-    rollout = FakeRollout(policy=lambda prompt, v: "<calc>2 * 3</calc>",
-                          continuation=lambda msg, v: f"<answer>{msg.append[0]['content']}</answer>")
+    rollout = FakeRollout(policy=lambda prompt, v: "<calc>2 * 3</calc>", continuation=tagged_tool_value)
     scorer = Scorer(load_rewards(settings.task), timeout_s=5, procs=0)
     done = await evaluation.greedy_episodes(settings, list(tasks(3)), tmp_path / "unused.log",
                                             episodes.load_episode(episodes.CALCULATOR), scorer, rollout)

@@ -244,6 +244,6 @@ def plan_micro_batches(samples: list[wire.TrainSample], lo: int, hi: int, adv: t
                  for mb in micro_batches(lengths, max_tokens)]
     if weight is None:
         return built
-    return [dataclasses.replace(mb, weight=torch.tensor(
-        [float(weight[i]) for i in mb.index for _ in trained(samples[i])], dtype=torch.float32, device=device))
+    return [dataclasses.replace(mb, weight=torch.repeat_interleave(
+        weight[mb.index].to(torch.float32), torch.tensor([len(trained(samples[i])) for i in mb.index])).to(device))
         for mb in built]
