@@ -93,10 +93,8 @@ from areal_aio.fleet.rollout_pool import RolloutPool
 from areal_aio.rewards import process as process_reward
 from areal_aio.rewards.pool import RewardPoolBroken
 from areal_aio.rewards.scoring import (
-    FAILED,
     Score,
     Scorer,
-    as_score,
     load_rewards,
     overlong_penalty,
     shaped,
@@ -515,17 +513,11 @@ class Orchestrator:
         bounds = episodes.Bounds.of(self.settings)
         model = sample.model = episodes.Model(
             bounds, lambda sent, append, limit, room: self._reply(sample, group, sent, append, limit, room))
-        try:
-            async with asyncio.timeout(bounds.timeout_s):
-                result = await self._episode(sample.task, model)
-            score = None if result is None else as_score(result)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the user's code: its failure scores 0, counted
+        score, failure = await episodes.play(self._episode, sample.task, model, bounds.timeout_s)
+        if failure is not None:
             self.counts.episode_failures += 1
             self.log.events.info("episode_failed", request_id=sample.request_id, replies=model.replies,
-                                 error=f"{type(exc).__name__}: {exc}"[:500])
-            score = FAILED
+                                 error=f"{type(failure).__name__}: {failure}"[:500])
         sample.completion = model.transcript.completion()
         if sample.completion is None:  # no reply: nothing to train, so the group is lost now
             if not group.dropped:

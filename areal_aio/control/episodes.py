@@ -37,13 +37,14 @@ that is not a reward scores 0 and is counted (episode_failures), as a failing re
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from areal_aio import wire
-from areal_aio.rewards.scoring import import_reward
+from areal_aio.rewards.scoring import FAILED, Score, as_score, import_reward
 from areal_aio.settings import Settings, SettingsError
 from areal_aio.tasks.task import Task
 
@@ -97,6 +98,20 @@ def load_episode(spec: str) -> Episode:
     except ValueError:  # no signature to read: trust it
         pass
     return fn
+
+
+async def play(episode: Episode, task: Task, model: Model, timeout_s: float) -> tuple[Score | None, Exception | None]:
+    """Run one episode under its wall bound: (its own Score, or None to let task.reward score the
+    last reply; None), or (FAILED, why) when it raised, timed out, passed a bound or returned
+    something that is not a reward. Training and the held-out eval both play episodes here."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            result = await episode(task, model)
+        return (None if result is None else as_score(result)), None
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code: its failure scores 0, counted
+        return FAILED, exc
 
 
 @dataclass(slots=True)

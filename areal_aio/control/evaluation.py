@@ -38,11 +38,9 @@ from areal_aio.control import episodes
 from areal_aio.fleet.client import PipeWorker, WorkerClient
 from areal_aio.fleet.rollout_pool import RolloutPool
 from areal_aio.rewards.scoring import (
-    FAILED,
     AnswerReward,
     Score,
     Scorer,
-    as_score,
     component_means,
     load_rewards,
 )
@@ -94,21 +92,13 @@ async def run_episodes(episode: episodes.Episode, eval_set: list[Task], step: in
                                      context_ids=sent, append=append, max_context=room))
 
         model = episodes.Model(bounds, request)
-        failed = False
-        try:
-            async with asyncio.timeout(bounds.timeout_s):
-                result = await episode(task, model)
-            score = None if result is None else as_score(result)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # noqa: BLE001 - the user's code: its failure scores 0, counted
-            failed, score = True, FAILED
+        score, failure = await episodes.play(episode, task, model, bounds.timeout_s)
         completion = model.transcript.completion() or wire.Completion(
             request_id=f"eval{step}.{i}", prompt_ids=[], completion_ids=[], logprobs=[], versions=[],
             text="", finish="abort", interrupts=0, gen_s=0.0)  # failed before its first reply
         if score is None:
             score = await scorer.score(task, completion.text)
-        return completion, score, model.transcript.turns, failed
+        return completion, score, model.transcript.turns, failure is not None
 
     done = await asyncio.gather(*(one(i, task) for i, task in enumerate(eval_set)))
     return EpisodeEval([d[0] for d in done], [d[1] for d in done], [d[2] for d in done],
