@@ -217,6 +217,7 @@ class RolloutSettings:
     max_batch: int = opt(32, "Sequences decoded together (continuous-batching slots).", ge=1)
     chunk_tokens: int = opt(8, "Decode steps between looks at the pipe (the interrupt granularity).", ge=1)
     dtype: str = opt("float32", "float32 | bfloat16 weights for generation.", choices=("float32", "bfloat16"))
+    quantize: str = opt("off", "off | int8: generation multiplies in int8 (CPU only; rows and weight channels scaled, a Hadamard rotation against outlier channels; areal_aio/workers/rollout/int8.py). The trainer keeps float32; decoupled PPO corrects for the difference, reported per step as mismatch_kl. Held-out evals run on the rollout worker, so they measure the int8 policy (README: int8 rollout).", choices=("off", "int8"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,6 +403,16 @@ class Settings:
         gpus = ["cuda:0" if dev == "cuda" else dev for dev in ranks if dev != "cpu"]
         if len(set(gpus)) < len(gpus):
             raise SettingsError(f"trainer.devices: {ranks} names a GPU twice; NCCL takes one rank per GPU")
+        if self.rollout.quantize == "int8":
+            where = self.rollout.devices or [self.rollout.device]
+            if any(not dev.startswith("cpu") for dev in where):
+                raise SettingsError(f"rollout.quantize: int8 runs on CPU rollout workers only; rollout "
+                                    f"device(s) {where} (on a GPU, use rollout.dtype = bfloat16)")
+            if self.rollout.dtype != "float32":
+                raise SettingsError("rollout.quantize: int8 quantizes float32 weights; set rollout.dtype = float32")
+            if self.lora.rank and not self.lora.merge:
+                raise SettingsError("rollout.quantize: int8 needs lora.merge = true (peft's unmerged "
+                                    "LoRA layers stay in float)")
         if self.lora.rank and importlib.util.find_spec("peft") is None:
             raise SettingsError("lora.rank: LoRA needs the peft package: pip install peft")
 

@@ -11,9 +11,16 @@ prompts), with the same sampling (temperature, top_p) and the same max_new_token
                      rollout.chunk_tokens steps (on a GPU the host reads tokens once a chunk
                      while no request waits for a slot; on a CPU after every step)
     engine+updates   the same, with new weights loaded (KV rebuilt) every --update-every steps
+    engine/int8      the engine on the model with rollout.quantize = int8 (CPU only), and
+    engine/int8+updates  with updates, each load requantizing (areal_aio/workers/rollout/int8.py)
     generate/b<G>    model.generate on static batches of one group each (G sequences)
     generate/b<M>    model.generate on static batches of max_batch sequences
     hf-cb            transformers' own continuous batching (model.generate_batch, with logprobs)
+
+engine/int8 also reports `mismatch_kl`: the k3 KL per token between the int8 sampler's
+log-probs and the float32 model's for the same tokens at the same temperature (a whole-sequence
+pass), which is the trainer's `mismatch_kl` for a version's own tokens; engine reports the same
+for itself (float32 against float32: the batching's float noise alone).
 
 Tokens counted = tokens each sequence really generated (up to and including EOS); padding a
 static batch computes after a row's EOS is not counted. Also measured: the seconds to load the
@@ -25,6 +32,7 @@ the ratios, not the absolute numbers across machines.
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import signal
 import statistics
@@ -44,6 +52,7 @@ from areal_aio.store.safetensors_io import load_weights  # noqa: E402
 from areal_aio.store.weights import SHM_BASE, WeightStore  # noqa: E402
 from areal_aio.workers.common import configure_torch  # noqa: E402
 from areal_aio.workers.models import SMOLLM2, TINY, encode_prompt, load_model  # noqa: E402
+from areal_aio.workers.rollout import int8  # noqa: E402
 from areal_aio.workers.rollout.engine import Engine, Request  # noqa: E402
 from bench.common import save_figure, write_json  # noqa: E402
 
@@ -64,9 +73,11 @@ def prompts(tok: Any, sequences: int, group: int) -> list[list[int]]:
 
 
 def run_engine(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_batch: int,
-               updates: tuple[int, list[Path]] | None = None) -> dict[str, Any]:
-    """All sequences queued at once; with `updates` = (every, paths), weights change mid-run."""
-    engine = Engine(model, tok, max_batch=max_batch, seed=0)
+               updates: tuple[int, list[Path]] | None = None, load: Any = load_weights,
+               reference: Any = None) -> dict[str, Any]:
+    """All sequences queued at once; with `updates` = (every, paths), weights change mid-run
+    (through `load`). With a `reference` model (no updates), also its mismatch_kl."""
+    engine = Engine(model, tok, max_batch=max_batch, seed=0, load=load)
     for i, prompt in enumerate(ids):
         engine.add(Request(str(i), prompt, max_new, TEMPERATURE, TOP_P))
     done, steps, loads, rebuilt, load_s, update_s = [], 0, 0, 0, 0.0, 0.0
@@ -88,10 +99,27 @@ def run_engine(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_bat
     seconds = time.perf_counter() - t0
     tokens = sum(len(c.completion_ids) for c in done)
     out = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "sequences": len(done)}
+    if reference is not None:
+        out["mismatch_kl"] = mismatch_kl(reference, done)
     if updates:
         out.update(updates=loads, rebuilt_rows=rebuilt, load_s=load_s, update_s=update_s,
                    interrupted=sum(1 for c in done if c.interrupts))
     return out
+
+
+def mismatch_kl(reference: Any, done: list[Any]) -> float:
+    """Mean over tokens of k3 KL(sampler || reference) (r = reference - sampler log-prob,
+    exp(r) - 1 - r), the reference's log-probs at the sampling temperature."""
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for c in done:
+            ids = torch.tensor([c.prompt_ids + c.completion_ids], device=reference.device)
+            logits = reference(ids).logits[0, len(c.prompt_ids) - 1:-1].float() / TEMPERATURE
+            logp = torch.log_softmax(logits, -1).gather(1, ids[0, len(c.prompt_ids):, None])[:, 0]
+            r = logp.cpu().double() - torch.tensor(c.logprobs, dtype=torch.float64)
+            total += float((r.exp() - 1 - r).sum())
+            count += len(c.logprobs)
+    return total / max(1, count)
 
 
 def run_generate(model: Any, tok: Any, ids: list[list[int]], max_new: int, batch: int) -> dict[str, Any]:
@@ -190,19 +218,31 @@ def main(argv: list[str] | None = None) -> int:
         paths = perturbed_weights(model, store)
         load_times = time_weight_load(model, paths[0])
         methods = [
-            ("engine", lambda: run_engine(model, tok, ids, max_new, args.max_batch)),
+            ("engine", lambda: run_engine(model, tok, ids, max_new, args.max_batch, reference=model)),
             ("engine+updates", lambda: run_engine(model, tok, ids, max_new, args.max_batch,
                                                   (update_every, paths))),
             (f"generate/b{args.group}", lambda: run_generate(model, tok, ids, max_new, args.group)),
             (f"generate/b{args.max_batch}",
              lambda: run_generate(model, tok, ids, max_new, args.max_batch)),
         ]
+        quantized = None
+        if args.device == "cpu" and args.dtype == "float32":
+            quantized = copy.deepcopy(model)
+            refresh = int8.refreshing(load_weights, int8.quantize(quantized))
+            methods[1:1] = [
+                ("engine/int8", lambda: run_engine(quantized, tok, ids, max_new, args.max_batch,
+                                                   reference=model)),
+                ("engine/int8+updates", lambda: run_engine(quantized, tok, ids, max_new, args.max_batch,
+                                                           (update_every, paths), load=refresh)),
+            ]
         if not args.no_hf_cb:
             methods.append(("hf-cb", lambda: run_hf_cb(model, tok, ids, max_new, args.max_batch)))
         for n in threads:
             configure_torch(args.device, n)
             # warm-up: one short pass of each kind (allocator, kernels, lazy imports)
             run_engine(model, tok, ids[:args.group], 4, args.max_batch)
+            if quantized is not None:
+                run_engine(quantized, tok, ids[:args.group], 4, args.max_batch)
             run_generate(model, tok, ids[:args.group], 4, args.group)
             for name, fn in methods:
                 torch.manual_seed(0)
@@ -253,6 +293,8 @@ def _print_table(results: dict) -> None:
         extra = (f"  ({r['updates']} updates, {r['rebuilt_rows']} rows rebuilt, "
                  f"{r['update_s'] / max(1, r['updates']):.2f}s per load + rebuild)"
                  if "updates" in r else "")
+        if "mismatch_kl" in r:
+            extra += f"  (mismatch_kl {r['mismatch_kl']:.2e} to float32)"
         print(f"{r['method']:18s} {r['threads']:7d} {r['tokens']:7d} {r['seconds']:8.2f} "
               f"{r['tok_s']:8.1f} {ratio:10.2f}{extra}")
     print(f"weight load from the store: median {results['weight_load_median_s']:.3f}s "

@@ -328,7 +328,8 @@ async def evaluate_model(settings: Settings, out_file: Path) -> dict[str, Any]:
         await scorer.aclose()
     result = {"model": settings.model.path, **rates(scores), "n": len(eval_set),
               "eval_seed": settings.task.eval_seed, "max_new_tokens": settings.rollout.max_new_tokens,
-              **extra, "seconds": round(time.perf_counter() - t0, 3),
+              **extra, **({"quantize": settings.rollout.quantize} if settings.rollout.quantize != "off" else {}),
+              "seconds": round(time.perf_counter() - t0, 3),
               "samples": sample_rows(0, eval_set, completions, scores, turns)}
     out_file.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     return result

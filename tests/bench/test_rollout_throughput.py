@@ -20,7 +20,10 @@ def test_quick_bench_writes_results_and_plot(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert (tmp_path / "rollout_throughput.png").stat().st_size > 0
     rows = {r["method"]: r for r in results["rows"]}
-    assert set(rows) == {"engine", "engine+updates", "generate/b8", "generate/b32"}
+    assert set(rows) == {"engine", "engine+updates", "engine/int8", "engine/int8+updates", "generate/b8",
+                         "generate/b32"}
+    assert 0 <= 10 * rows["engine"]["mismatch_kl"] < rows["engine/int8"]["mismatch_kl"] < 0.1
+    assert rows["engine/int8+updates"]["updates"] > 0
     for row in rows.values():
         assert row["sequences"] == results["sequences"] and row["tok_s"] > 0
         # tiny-random practically never samples EOS: every sequence runs to max_new_tokens

@@ -8,7 +8,8 @@
             Abort         -> engine.abort -> Completion(finish="abort"); unknown ids ignored
             UpdateWeights -> pending (a newer one supersedes an older one not yet loaded); the
                              file is the whole policy, or with lora.rank > 0 an adapter, merged
-                             into the base or read into peft's layers (lora.merge; workers/lora.py)
+                             into the base or read into peft's layers (lora.merge; workers/lora.py);
+                             with rollout.quantize = int8 then requantized (rollout/int8.py)
             Shutdown, EOF -> return
         pending weights:
             interrupt on  -> load now (we are at a chunk boundary), rebuild KV, WeightsLoaded
@@ -33,6 +34,7 @@ from areal_aio.store.safetensors_io import load_weights
 from areal_aio.workers import lora
 from areal_aio.workers.common import EOF, Channel, configure_torch, serve
 from areal_aio.workers.models import encode_prompt, encode_turns, load_model
+from areal_aio.workers.rollout import int8
 from areal_aio.workers.rollout.engine import Engine, Request
 
 IDLE_WAIT_S = 1.0
@@ -57,6 +59,8 @@ class RolloutWorker:
                                            device=self.device)
         # a LoRA run's versions are adapters, applied to this worker's own copy of the base
         load = lora.handoff(s.lora, s.model.path) if s.lora.rank else load_weights
+        if ro.quantize == "int8":  # generation in int8; each version requantized after its load
+            load = int8.refreshing(load, int8.quantize(model))
         self.engine = Engine(model, self.tokenizer, max_batch=ro.max_batch, seed=s.run.seed, load=load)
         self.pending: wire.UpdateWeights | None = None
 
