@@ -8,7 +8,7 @@
 #     EXTRA=--quick bash bench/int8_rollout.sh OUT "0"   # a smoke run on tiny-random
 #
 # Arms: sync (run.mode = sync: the workers take turns, each with every core), areal (the default
-# file), int8 (areal with rollout.quantize = int8). OUT/int8_rollout.json gathers per seed the time
+# file), int8 (areal with rollout.quantize = int8), sync-int8 (sync with it). OUT/int8_rollout.json gathers per seed the time
 # and first eval step at each level, the final pass rate, the mean mismatch_kl (behaviour vs the
 # trainer's float32 log-probs of a version's own tokens), tokens generated per second and both
 # workers' idle shares; per arm the medians over the seeds that reached each level (README: int8
@@ -27,6 +27,7 @@ args() {  # the mode and settings of one arm
         sync) echo "--modes sync" ;;
         areal) echo "--modes areal" ;;
         int8) echo "--modes areal --set rollout.quantize=int8" ;;
+        sync-int8) echo "--modes sync --set rollout.quantize=int8" ;;
         *) echo "unknown arm $1" >&2; exit 2 ;;
     esac
 }
@@ -85,7 +86,7 @@ for arm in arms:
         summary[arm][f"median_s_{level:.2f}"] = median(times)
         summary[arm][f"median_step_{level:.2f}"] = median([r[f"step_to_{level:.2f}"] for r in mine])
 for arm, row in summary.items():
-    for base in ("sync", "areal"):
+    for base in ("sync", "areal", "sync-int8"):
         if arm == base or base not in summary:
             continue
         for level in levels:

@@ -1,6 +1,7 @@
 """Overlap: how much the two workers slow each other down when they run at the same time.
 
-    python bench/overlap.py [--model SPEC] [--device cpu|cuda] [--updates 3] [--out DIR] [--quick]
+    python bench/overlap.py [--model SPEC] [--device cpu|cuda] [--updates 3] [--rollout-quantize int8]
+        [--turn-threads N] [--out DIR] [--quick]
 
 `areal` mode wins by running generation and training at once, `sync` by giving each the
 machine in turn. What overlap buys therefore depends on the hardware: two cores that share
@@ -14,11 +15,15 @@ measures it directly, with the real engine and trainer (one thread each, as in a
     both at once      the rollout generates batches back to back in a child process while the
                       parent times the same trainer updates; the child reports its own rate
 
-and from them the best step-time ratio a perfectly overlapped run could reach over one that
-takes turns, with and without the slowdown:
+    turns, every core  on a CPU, trainer and rollout alone again with --turn-threads threads
+                      (default: every core), as `sync` mode gives each worker the machine in turn
 
-    ideal     = (train_alone + gen_alone) / max(train_alone, gen_alone)
+and from them the best step-time ratio a perfectly overlapped run could reach over one that
+takes turns, with and without the slowdown, and against turns that use every core:
+
+    ideal      = (train_alone + gen_alone) / max(train_alone, gen_alone)
     achievable = (train_alone + gen_alone) / max(train_both, gen_both)
+    vs_honest_sync = (train_all_cores + gen_all_cores) / max(train_both, gen_both)
 
 (evals and weight hand-offs left out: they favour overlap further, since `sync` waits for
 both). --quick: tiny-random, 1 update, a few seconds.
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -55,7 +61,8 @@ def _gen_batch(engine: Any, ids: list[list[int]], tokens: int, tag: str) -> int:
     return done
 
 
-def rollout_child(spec: str, device: str, dtype: str, tokens: int, ready: Any, stop: Any, out: Any) -> None:
+def rollout_child(spec: str, device: str, dtype: str, tokens: int, ready: Any, stop: Any, out: Any,
+                  threads: int = 1, quantize: str = "off") -> None:
     """Generate batches back to back until `stop`, at least one (a phase shorter than a batch
     still measures one); report (batches, tokens, seconds)."""
     sys.path.insert(0, str(REPO))
@@ -64,8 +71,12 @@ def rollout_child(spec: str, device: str, dtype: str, tokens: int, ready: Any, s
     from areal_aio.workers.rollout.engine import Engine
     from bench.rollout_throughput import prompts
 
-    configure_torch(device, 1)
+    configure_torch(device, threads)
     model, tok = load_model(spec, seed=0, dtype=dtype, device=device)
+    if quantize == "int8":
+        from areal_aio.workers.rollout import int8
+
+        int8.quantize(model)
     engine = Engine(model, tok, max_batch=SEQS, seed=0)
     ids = prompts(tok, SEQS, GROUP)
     _gen_batch(engine, ids, 4, "warm")
@@ -92,11 +103,13 @@ def time_updates(trainer: Any, batch: list, n: int, device: str) -> list[float]:
     return times
 
 
-def run_rollout(spec: str, device: str, dtype: str, tokens: int) -> tuple[Any, Any, Any, Any]:
+def run_rollout(spec: str, device: str, dtype: str, tokens: int, threads: int = 1,
+                quantize: str = "off") -> tuple[Any, Any, Any, Any]:
     """Start the generating child; (process, ready, stop, out)."""
     ctx = multiprocessing.get_context("spawn")
     ready, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
-    proc = ctx.Process(target=rollout_child, args=(spec, device, dtype, tokens, ready, stop, out), daemon=True)
+    proc = ctx.Process(target=rollout_child, args=(spec, device, dtype, tokens, ready, stop, out, threads,
+                                                   quantize), daemon=True)
     proc.start()
     return proc, ready, stop, out
 
@@ -116,9 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--updates", type=int, default=None, help="timed trainer updates per phase (default 3)")
     ap.add_argument("--completion-tokens", type=int, default=COMPLETION_TOKENS)
     ap.add_argument("--rollout-dtype", default="float32", help="rollout.dtype: float32 | bfloat16")
+    ap.add_argument("--rollout-quantize", default="off", choices=("off", "int8"), help="rollout.quantize")
+    ap.add_argument("--turn-threads", type=int, default=None,
+                    help="threads of each worker taking turns, as sync mode gives them (default: every core; "
+                         "0 = skip; CPU only)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "overlap")
     ap.add_argument("--quick", action="store_true", help="tiny-random, 1 update per phase")
     args = ap.parse_args(argv)
+
+    import torch
 
     from areal_aio.settings import build_settings
     from areal_aio.store.weights import SHM_BASE, WeightStore
@@ -143,17 +162,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  trainer alone: {statistics.median(train_alone):.2f} s/update", file=sys.stderr, flush=True)
 
         # rollout alone: the child runs for about as long as the trainer's timed phase
-        proc, ready, stop, out = run_rollout(spec, args.device, args.rollout_dtype, tokens)
+        quantize = args.rollout_quantize
+        proc, ready, stop, out = run_rollout(spec, args.device, args.rollout_dtype, tokens, quantize=quantize)
         ready.wait(timeout=600)
         time.sleep(max(sum(train_alone), 2.0))
         gen_alone = finish(proc, stop, out)
         print(f"  rollout alone: {gen_alone[2] / max(gen_alone[0], 1):.2f} s/batch", file=sys.stderr, flush=True)
 
         # both at once
-        proc, ready, stop, out = run_rollout(spec, args.device, args.rollout_dtype, tokens)
+        proc, ready, stop, out = run_rollout(spec, args.device, args.rollout_dtype, tokens, quantize=quantize)
         ready.wait(timeout=600)
         train_both = time_updates(trainer, batch, n, args.device)
         gen_both = finish(proc, stop, out)
+
+        # taking turns with every core (sync mode's preset on a CPU)
+        turn_threads = 0 if args.device != "cpu" else (
+            args.turn_threads if args.turn_threads is not None else os.cpu_count() or 1)
+        train_all = gen_all = None
+        if turn_threads:
+            torch.set_num_threads(turn_threads)
+            time_updates(trainer, batch, 1, args.device)
+            train_all = time_updates(trainer, batch, n, args.device)
+            torch.set_num_threads(1)
+            proc, ready, stop, out = run_rollout(spec, args.device, args.rollout_dtype, tokens, turn_threads,
+                                                 quantize)
+            ready.wait(timeout=600)
+            time.sleep(max(sum(train_all), 2.0))
+            gen_all = finish(proc, stop, out)
+            print(f"  turns with {turn_threads} threads: trainer {statistics.median(train_all):.2f} s/update, "
+                  f"rollout {gen_all[2] / max(gen_all[0], 1):.2f} s/batch", file=sys.stderr, flush=True)
     finally:
         store.close()
 
@@ -164,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     g_alone, g_both = per_batch(gen_alone), per_batch(gen_both)
     ideal = (t_alone + g_alone) / max(t_alone, g_alone) if g_alone else None
     achievable = (t_alone + g_alone) / max(t_both, g_both) if g_alone and g_both else None
+    t_all = statistics.median(train_all) if train_all else None
+    g_all = per_batch(gen_all) if gen_all else None
+    vs_honest = (t_all + g_all) / max(t_both, g_both) if t_all and g_all and g_both else None
     rows = [{"worker": "trainer", "alone_s": t_alone, "both_s": t_both, "slowdown": t_both / t_alone,
              "unit": "s/update"},
             {"worker": "rollout", "alone_s": g_alone, "both_s": g_both,
@@ -173,12 +213,20 @@ def main(argv: list[str] | None = None) -> int:
                 [[r["worker"], f"{r['alone_s']:.2f} {r['unit']}" if r["alone_s"] else "-",
                   f"{r['both_s']:.2f} {r['unit']}" if r["both_s"] else "-",
                   f"{r['slowdown']:.2f}x" if r["slowdown"] else "-"] for r in rows],
-                title=f"\noverlap on {args.device}, {spec} (rollout {args.rollout_dtype}): {SEQS} samples in groups of {GROUP}, "
+                title=f"\noverlap on {args.device}, {spec} (rollout {args.rollout_dtype}, quantize {args.rollout_quantize}): {SEQS} samples in groups of {GROUP}, "
                       f"{tokens}-token replies, one thread per worker")
     print(f"overlapped step vs taking turns: ideal {ideal:.2f}x, with the slowdown {achievable:.2f}x"
           if ideal and achievable else "overlapped step vs taking turns: not measured (no batch finished)")
-    results = {"model": spec, "device": args.device, "rollout_dtype": args.rollout_dtype, "seqs": SEQS, "group": GROUP, "completion_tokens": tokens,
-               "updates": n, "rows": rows, "ideal_ratio": ideal, "achievable_ratio": achievable,
+    if vs_honest:
+        print(f"taking turns with {turn_threads} threads each: trainer {t_all:.2f} s/update "
+              f"({t_alone / t_all:.2f}x one thread), rollout {g_all:.2f} s/batch ({g_alone / g_all:.2f}x); "
+              f"overlapped step vs these turns (honest sync): {vs_honest:.2f}x")
+    results = {"model": spec, "device": args.device, "rollout_dtype": args.rollout_dtype,
+               "rollout_quantize": args.rollout_quantize, "seqs": SEQS, "group": GROUP,
+               "completion_tokens": tokens, "updates": n, "rows": rows, "ideal_ratio": ideal,
+               "achievable_ratio": achievable, "turn_threads": turn_threads, "train_all_cores_s": train_all,
+               "gen_all_cores": dict(zip(("batches", "tokens", "seconds"), gen_all, strict=True)) if gen_all else None,
+               "vs_honest_sync_ratio": vs_honest,
                "train_alone_s": train_alone, "train_both_s": train_both,
                "gen_alone": dict(zip(("batches", "tokens", "seconds"), gen_alone, strict=True)),
                "gen_both": dict(zip(("batches", "tokens", "seconds"), gen_both, strict=True))}

@@ -68,7 +68,8 @@ def test_weight_sync_quick(tmp_path, capsys, keep_threads) -> None:
 def test_overlap_quick(tmp_path, capsys, keep_threads) -> None:
     from bench import overlap
 
-    assert overlap.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert overlap.main(["--quick", "--rollout-quantize", "int8", "--turn-threads", "2",
+                         "--out", str(tmp_path)]) == 0
     assert "slowdown" in capsys.readouterr().out
     res = json.loads((tmp_path / "results.json").read_text())
     trainer, rollout = res["rows"]
@@ -80,4 +81,9 @@ def test_overlap_quick(tmp_path, capsys, keep_threads) -> None:
     assert res["achievable_ratio"] == pytest.approx((t + g) / max(trainer["both_s"], rollout["both_s"]))
     assert trainer["slowdown"] == pytest.approx(trainer["both_s"] / t)
     assert res["gen_alone"]["batches"] >= 1 and res["gen_alone"]["tokens"] > 0
+    # turns with every core (sync's preset): each worker alone with 2 threads, against the overlap
+    assert res["rollout_quantize"] == "int8" and res["turn_threads"] == 2
+    g_all = res["gen_all_cores"]["seconds"] / res["gen_all_cores"]["batches"]
+    t_all = sorted(res["train_all_cores_s"])[len(res["train_all_cores_s"]) // 2]
+    assert res["vs_honest_sync_ratio"] == pytest.approx((t_all + g_all) / max(trainer["both_s"], rollout["both_s"]))
     assert (tmp_path / "overlap.png").stat().st_size > 1000

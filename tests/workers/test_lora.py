@@ -254,6 +254,24 @@ def test_rollout_after_a_handoff_generates_what_the_merged_model_generates(train
     assert bool(moved) is merge  # unmerged: the rollout's base is never written
 
 
+def test_an_int8_rollout_merges_each_version_then_requantizes_it(trained) -> None:
+    """rollout.quantize = int8 with lora.merge: the merge writes the float32 weights, then the
+    int8 copy is rebuilt from them, the same as quantizing the exported merged model."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_aio.workers.rollout import int8
+
+    path, run, trainer = trained
+    base, tok = load_model(TINY, seed=SEED)
+    load = int8.refreshing(lora.handoff(trainer.lora, TINY), int8.quantize(base))
+    load(base, str(path))
+    merged = AutoModelForCausalLM.from_pretrained(run / "model")
+    int8.quantize(merged)
+    ids = torch.tensor([tok.encode("Calculate 3 + 4.")])
+    with torch.no_grad():
+        assert torch.equal(base(ids).logits, merged(ids).logits)
+
+
 def test_each_merge_starts_from_the_pristine_base(tmp_path, trained) -> None:
     """v1 then v2 gives the bits of v2 alone, and a mid-generation hand-off versions the tokens
     and rebuilds the rows as a full-weights one does."""

@@ -3,8 +3,10 @@
     x [M, K] --rotate--> x R --per-row scale--> int8 [M, K] --_int_mm--> int32 [M, N]
         --x row scale x weight channel scale--> float32 [M, N] (+ bias)
 
-An AVX2 core multiplies int8 about 4x faster than fp32 (torch._int_mm, exact int32 sums),
-and a decode step on a CPU is made of such products. Only generation is quantized: the
+A CPU core multiplies int8 several times faster than fp32 (torch._int_mm: 4x on AVX-512
+VNNI, 1.8x on AVX2 for SmolLM2's layer shapes), and a decode step on a CPU is made of such
+products. Weights take 8 bits where the CPU sums int8 products exactly, 7 where it would
+saturate (`weight_qmax`). Only generation is quantized: the
 trainer keeps fp32, the fp32 weights stay the layers' parameters (versions load into them
 as before, tied weights stay tied), and `refresh` rebuilds the int8 copy after each load.
 Decoupled PPO takes the difference as what it is, a behaviour policy other than the
@@ -20,6 +22,7 @@ to ~0.01 (README: int8 rollout), near what rounding the weights alone costs.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -34,6 +37,20 @@ SIGN_SEED = 0
 """Seed of the random signs of each block (fixed: the same R for every version)."""
 QMAX = 127
 TINY = torch.finfo(torch.float32).tiny
+
+
+@functools.cache
+def weight_qmax() -> int:
+    """The largest int8 weight magnitude torch._int_mm sums exactly on this CPU: 127 where its
+    kernel multiplies int8 pairs into int32 (AVX-512 VNNI, AMX); 63 where it pairs u8 x s8
+    products in int16 (AVX2, AVX-512 without VNNI), which saturates past 7-bit weights and
+    would get most sums wrong. Probed once, on the worst case and on random values."""
+    gen = torch.Generator().manual_seed(0)
+    probes = [(torch.full((32, 64), 127, dtype=torch.int8), torch.full((64, 32), 127, dtype=torch.int8)),
+              (torch.randint(-127, 128, (32, 256), generator=gen, dtype=torch.int8),
+               torch.randint(-127, 128, (256, 32), generator=gen, dtype=torch.int8))]
+    exact = all(torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long()) for a, b in probes)
+    return 127 if exact else 63
 
 
 def _hadamard(n: int) -> torch.Tensor:
@@ -78,7 +95,7 @@ class Int8Linear(torch.nn.Linear):
     def refresh(self) -> None:
         """Rebuild the int8 weight (a [K, N] view of [N, K]) and its channel scales [N]."""
         w = self.rotate(self.weight.detach().float())
-        self.scale = (_absmax(w) / QMAX).clamp_(min=TINY)
+        self.scale = (_absmax(w) / weight_qmax()).clamp_(min=TINY)
         self.packed = w.div_(self.scale[:, None]).round_().to(torch.int8).t()
 
     def quantized_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -185,3 +185,32 @@ def test_layers_reading_one_input_quantize_it_once_and_compute_the_same(tiny, mo
     assert shared_count == 4 * blocks + 1  # qkv, o, gate-up, down in each block; the output layer
     assert len(rotations) - shared_count == len(layers)
     assert torch.equal(got, want)
+
+
+EXACT_SUMS = """
+import torch
+from areal_aio.workers.rollout import int8
+torch.manual_seed(0)
+layer = int8.Int8Linear(torch.nn.Linear(576, 300, bias=False), int8.rotation(64))
+x = torch.randn(7, 576) * torch.linspace(0.1, 50, 576)
+xq, _ = layer.quantized_input(x)
+exact = torch.equal(torch._int_mm(xq, layer.packed).long(), xq.long() @ layer.packed.long())
+print(int8.weight_qmax(), int(layer.packed.abs().max()), exact)
+"""
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_weights_take_the_bits_this_cpu_sums_exactly(isa):
+    """An AVX2 int8 kernel pairs products in int16 and saturates past 7-bit weights: the probe
+    sees it (the CPU's kernel limited to AVX2 by oneDNN's own switch) and the sums stay exact."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **({"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"} if isa == "avx2" else {})}
+    out = subprocess.run([sys.executable, "-c", EXACT_SUMS], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    qmax, largest, exact = int(out[0]), int(out[1]), out[2]
+    assert exact == "True" and largest == qmax
+    if isa == "avx2":
+        assert qmax == 63
