@@ -3,21 +3,20 @@
     x [M, K] --rotate--> x R --per-row scale--> int8 [M, K] --_int_mm--> int32 [M, N]
         --x row scale x weight channel scale--> float32 [M, N] (+ bias)
 
-A CPU core multiplies int8 several times faster than fp32 (torch._int_mm: 4x on AVX-512
-VNNI, 1.8x on AVX2 for SmolLM2's layer shapes), and a decode step on a CPU is made of such
-products. Weights take 8 bits where the CPU sums int8 products exactly, 7 where it would
-saturate (`weight_qmax`). Only generation is quantized: the
-trainer keeps fp32, the fp32 weights stay the layers' parameters (versions load into them
-as before, tied weights stay tied), and `refresh` rebuilds the int8 copy after each load.
-Decoupled PPO takes the difference as what it is, a behaviour policy other than the
-trained one; the trainer's `mismatch_kl` reports it per step.
+A CPU core multiplies int8 several times faster than fp32 (torch._int_mm, exact int32
+sums), and a decode step on a CPU is made of such products. Weights take 8 bits where the
+CPU sums int8 products exactly, 7 where it would saturate (`weight_qmax`). Only generation
+is quantized: the trainer keeps fp32, the fp32 weights stay the layers' parameters
+(versions load into them as before, tied weights stay tied), and `refresh` rebuilds the
+int8 copy after each load. Decoupled PPO takes the difference as what it is, a behaviour
+policy other than the trained one; the trainer's `mismatch_kl` reports it per step.
 
 Why the rotation: activations of a small LLM carry a few channels hundreds of times larger
-than the rest, and one int8 scale per row then rounds the rest away (k3 KL to fp32 ~0.08 per
-token on SmolLM2-135M). Multiplying x by a fixed orthogonal matrix R, and the weight rows by
-the same R, leaves x W^T unchanged and spreads each outlier over a block of channels:
-R = block-diagonal, each block diag(random signs) x the Walsh-Hadamard matrix of BLOCK channels. The KL then falls
-to ~0.01 (README: int8 rollout), near what rounding the weights alone costs.
+than the rest, and one int8 scale per row then rounds the rest away. Multiplying x by a
+fixed orthogonal matrix R, and the weight rows by the same R, leaves x W^T unchanged and
+spreads each outlier over a block of channels. R is block-diagonal, each block
+diag(random signs) x the Walsh-Hadamard matrix of BLOCK channels. What this buys, in
+tokens per second and in drift from fp32, is measured in README (int8 rollout on a CPU).
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ the largest power of two that does (1: no rotation)."""
 SIGN_SEED = 0
 """Seed of the random signs of each block (fixed: the same R for every version)."""
 QMAX = 127
+"""Largest int8 magnitude of an input row (weights: `weight_qmax`)."""
 TINY = torch.finfo(torch.float32).tiny
 
 
@@ -119,6 +119,7 @@ class Int8Linear(torch.nn.Linear):
         if self.bias is not None:
             y = y.add_(self.bias)
         return y.reshape(*shape[:-1], self.out_features).to(self.weight.dtype)
+
 
 def rotation(block: int, seed: int = SIGN_SEED) -> torch.Tensor:
     """diag(random signs) @ H: an orthonormal block x block matrix (block a power of two)."""
