@@ -43,48 +43,23 @@ python - "$OUT" "$THRESHOLD" "$SEEDS" "$ARMS" "$MAX_WALL_S" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 
+from bench.arms import arm_summary, median, runs as arm_runs
+
 out, top, seeds, arms = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3].split(), sys.argv[4].split()
 levels = sorted({0.70, top})
 
-
-def first(curve, level):
-    """(wall s, step) of the first eval at or above `level`, or (None, None)."""
-    hit = next((e for e in sorted(curve, key=lambda e: e["step"]) if e["pass_rate"] >= level), None)
-    return (hit["wall_s"], hit["step"]) if hit else (None, None)
-
-
-def median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 runs, summary = [], {}
 for arm in arms:
-    for cell in sorted((out / arm / "runs").glob("*-s*")):
-        s = json.loads((cell / "summary.json").read_text())
-        steps = [json.loads(x) for x in (cell / "steps.jsonl").read_text().splitlines()] \
-            if (cell / "steps.jsonl").exists() else []
+    mine = []
+    for s, steps, row in arm_runs(out, arm, levels):
         kl = [r["mismatch_kl"] for r in steps if r.get("mismatch_kl") is not None]
-        row = {"arm": arm, "seed": s["seed"], "steps": s["steps"], "wall_s": s["wall_s"],
-               "initial_pass": s["eval_curve"][0]["pass_rate"] if s["eval_curve"] else None,
-               "final_pass": s["eval_curve"][-1]["pass_rate"] if s["eval_curve"] else None,
-               "mismatch_kl_mean": statistics.mean(kl) if kl else None,
-               "gen_tokens_per_s": s["gen_tokens_per_s"], "trainer_idle_frac": s["trainer_idle_frac"],
-               "rollout_idle_frac": s["rollout_idle_frac"],
-               "eval_curve": [{"step": e["step"], "wall_s": e["wall_s"], "pass_rate": e["pass_rate"]}
-                              for e in s["eval_curve"]]}
-        for level in levels:
-            row[f"time_to_{level:.2f}_s"], row[f"step_to_{level:.2f}"] = first(s["eval_curve"], level)
-        runs.append(row)
-    mine = [r for r in runs if r["arm"] == arm]
-    summary[arm] = {"seeds": len(mine)}
+        row.update(mismatch_kl_mean=statistics.mean(kl) if kl else None,
+                   gen_tokens_per_s=s["gen_tokens_per_s"])
+        mine.append(row)
+    runs += mine
+    summary[arm] = arm_summary(mine, levels)
     for key in ("mismatch_kl_mean", "gen_tokens_per_s", "trainer_idle_frac", "rollout_idle_frac", "final_pass"):
         summary[arm][f"median_{key}"] = median([r[key] for r in mine])
-    for level in levels:
-        times = [r[f"time_to_{level:.2f}_s"] for r in mine if r[f"time_to_{level:.2f}_s"] is not None]
-        summary[arm][f"reached_{level:.2f}"] = len(times)
-        summary[arm][f"median_s_{level:.2f}"] = median(times)
-        summary[arm][f"median_step_{level:.2f}"] = median([r[f"step_to_{level:.2f}"] for r in mine])
 for arm, row in summary.items():
     for base in ("sync", "areal", "sync-int8"):
         if arm == base or base not in summary:

@@ -44,43 +44,22 @@ python - "$OUT" "$THRESHOLD" "$SEEDS" "$ARMS" "$MAX_WALL_S" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 
+from bench.arms import arm_summary, runs as arm_runs
+
 out, top, seeds, arms = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3].split(), sys.argv[4].split()
 max_wall_s = float(sys.argv[5])
 levels = sorted({0.70, top})
 
-
-def first(curve, level):
-    """(wall s, step) of the first eval at or above `level`, or (None, None)."""
-    hit = next((e for e in sorted(curve, key=lambda e: e["step"]) if e["pass_rate"] >= level), None)
-    return (hit["wall_s"], hit["step"]) if hit else (None, None)
-
-
 runs, summary = [], {}
 for arm in arms:
-    cells = sorted((out / arm / "runs").glob("areal-*-s*"))
-    for cell in cells:
-        s = json.loads((cell / "summary.json").read_text())
-        steps = [json.loads(x) for x in (cell / "steps.jsonl").read_text().splitlines()] \
-            if (cell / "steps.jsonl").exists() else []
+    mine = []
+    for s, steps, row in arm_runs(out, arm, levels, "areal-*-s*"):
         entropy = [r["entropy"] for r in steps[-5:] if r.get("entropy") is not None]
-        row = {"arm": arm, "seed": s["seed"], "steps": s["steps"], "wall_s": s["wall_s"],
-               "final_pass": s["eval_curve"][-1]["pass_rate"] if s["eval_curve"] else None,
-               "last_entropy": statistics.mean(entropy) if entropy else None,
-               "skipped_uniform": s.get("samples_skipped_uniform", 0),
-               "trainer_idle_frac": s["trainer_idle_frac"], "rollout_idle_frac": s["rollout_idle_frac"],
-               "eval_curve": [{"step": e["step"], "wall_s": e["wall_s"], "pass_rate": e["pass_rate"]}
-                              for e in s["eval_curve"]]}
-        for level in levels:
-            row[f"time_to_{level:.2f}_s"], row[f"step_to_{level:.2f}"] = first(s["eval_curve"], level)
-        runs.append(row)
-    mine = [r for r in runs if r["arm"] == arm]
-    summary[arm] = {"seeds": len(mine)}
-    for level in levels:
-        times = [r[f"time_to_{level:.2f}_s"] for r in mine if r[f"time_to_{level:.2f}_s"] is not None]
-        steps = [r[f"step_to_{level:.2f}"] for r in mine if r[f"step_to_{level:.2f}"] is not None]
-        summary[arm][f"reached_{level:.2f}"] = len(times)
-        summary[arm][f"median_s_{level:.2f}"] = statistics.median(times) if times else None
-        summary[arm][f"median_step_{level:.2f}"] = statistics.median(steps) if steps else None
+        row.update(last_entropy=statistics.mean(entropy) if entropy else None,
+                   skipped_uniform=s.get("samples_skipped_uniform", 0))
+        mine.append(row)
+    runs += mine
+    summary[arm] = arm_summary(mine, levels)
 base = summary.get("default", {})
 for arm, row in summary.items():
     if arm == "default":

@@ -161,16 +161,20 @@ def main(argv: list[str] | None = None) -> int:
         train_alone = time_updates(trainer, batch, n, args.device)
         print(f"  trainer alone: {statistics.median(train_alone):.2f} s/update", file=sys.stderr, flush=True)
 
-        # rollout alone: the child runs for about as long as the trainer's timed phase
         quantize = args.rollout_quantize
-        proc, ready, stop, out = run_rollout(spec, args.device, args.rollout_dtype, tokens, quantize=quantize)
-        ready.wait(timeout=600)
-        time.sleep(max(sum(train_alone), 2.0))
-        gen_alone = finish(proc, stop, out)
+
+        def rollout_alone(threads: int, seconds: float) -> tuple[int, int, float]:
+            """The child generating alone for about `seconds` (the trainer's timed phase)."""
+            proc, ready, stop, out = run_rollout(spec, args.device, args.rollout_dtype, tokens, threads, quantize)
+            ready.wait(timeout=600)
+            time.sleep(max(seconds, 2.0))
+            return finish(proc, stop, out)
+
+        gen_alone = rollout_alone(1, sum(train_alone))
         print(f"  rollout alone: {gen_alone[2] / max(gen_alone[0], 1):.2f} s/batch", file=sys.stderr, flush=True)
 
         # both at once
-        proc, ready, stop, out = run_rollout(spec, args.device, args.rollout_dtype, tokens, quantize=quantize)
+        proc, ready, stop, out = run_rollout(spec, args.device, args.rollout_dtype, tokens, 1, quantize)
         ready.wait(timeout=600)
         train_both = time_updates(trainer, batch, n, args.device)
         gen_both = finish(proc, stop, out)
@@ -184,11 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             time_updates(trainer, batch, 1, args.device)
             train_all = time_updates(trainer, batch, n, args.device)
             torch.set_num_threads(1)
-            proc, ready, stop, out = run_rollout(spec, args.device, args.rollout_dtype, tokens, turn_threads,
-                                                 quantize)
-            ready.wait(timeout=600)
-            time.sleep(max(sum(train_all), 2.0))
-            gen_all = finish(proc, stop, out)
+            gen_all = rollout_alone(turn_threads, sum(train_all))
             print(f"  turns with {turn_threads} threads: trainer {statistics.median(train_all):.2f} s/update, "
                   f"rollout {gen_all[2] / max(gen_all[0], 1):.2f} s/batch", file=sys.stderr, flush=True)
     finally:

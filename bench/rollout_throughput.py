@@ -54,6 +54,7 @@ from areal_aio.workers.common import configure_torch  # noqa: E402
 from areal_aio.workers.models import SMOLLM2, TINY, encode_prompt, load_model  # noqa: E402
 from areal_aio.workers.rollout import int8  # noqa: E402
 from areal_aio.workers.rollout.engine import Engine, Request  # noqa: E402
+from areal_aio.workers.trainer.losses import k3_kl  # noqa: E402
 from bench.common import save_figure, write_json  # noqa: E402
 
 QUESTIONS = ["Calculate 3 + 4.", "Calculate 8 - 5.", "Calculate 6 + 9.", "Calculate 7 - 2.",
@@ -108,16 +109,15 @@ def run_engine(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_bat
 
 
 def mismatch_kl(reference: Any, done: list[Any]) -> float:
-    """Mean over tokens of k3 KL(sampler || reference) (r = reference - sampler log-prob,
-    exp(r) - 1 - r), the reference's log-probs at the sampling temperature."""
+    """Mean over tokens of k3 KL(sampler || reference) (the trainer's estimator), the
+    reference's log-probs at the sampling temperature."""
     total, count = 0.0, 0
     with torch.inference_mode():
         for c in done:
             ids = torch.tensor([c.prompt_ids + c.completion_ids], device=reference.device)
             logits = reference(ids).logits[0, len(c.prompt_ids) - 1:-1].float() / TEMPERATURE
             logp = torch.log_softmax(logits, -1).gather(1, ids[0, len(c.prompt_ids):, None])[:, 0]
-            r = logp.cpu().double() - torch.tensor(c.logprobs, dtype=torch.float64)
-            total += float((r.exp() - 1 - r).sum())
+            total += float(k3_kl(torch.tensor(c.logprobs, dtype=torch.float64), logp.cpu().double()).sum())
             count += len(c.logprobs)
     return total / max(1, count)
 

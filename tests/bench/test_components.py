@@ -87,3 +87,15 @@ def test_overlap_quick(tmp_path, capsys, keep_threads) -> None:
     t_all = sorted(res["train_all_cores_s"])[len(res["train_all_cores_s"]) // 2]
     assert res["vs_honest_sync_ratio"] == pytest.approx((t_all + g_all) / max(trainer["both_s"], rollout["both_s"]))
     assert (tmp_path / "overlap.png").stat().st_size > 1000
+
+
+def test_int8_layers_quick(tmp_path, capsys, keep_threads) -> None:
+    from bench import int8_layers
+
+    assert int8_layers.main(["--quick", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [r["shape"] for r in res["matmul"]] == [list(s) for s in int8_layers.SHAPES]
+    assert all(r["fp32_us"] > 0 and r["int8_us"] > 0 for r in res["matmul"])
+    assert [r["variant"] for r in res["drift"]] == ["no rotation", "rotation", "weights alone"]
+    assert all(r["kl_per_position"] >= 0 for r in res["drift"]) and res["refresh_s"] > 0
+    assert "drift from float32" in capsys.readouterr().out

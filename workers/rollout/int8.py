@@ -94,9 +94,9 @@ class Int8Linear(torch.nn.Linear):
     @torch.no_grad()
     def refresh(self) -> None:
         """Rebuild the int8 weight (a [K, N] view of [N, K]) and its channel scales [N]."""
-        w = self.rotate(self.weight.detach().float())
+        w = self.rotate(self.weight.detach())
         self.scale = (_absmax(w) / weight_qmax()).clamp_(min=TINY)
-        self.packed = w.div_(self.scale[:, None]).round_().to(torch.int8).t()
+        self.packed = torch.round(w / self.scale[:, None]).to(torch.int8).t()  # w may be the weight
 
     def quantized_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 [M, K] of x rotated, row scales [M, 1]); the last input's, when x is it: q, k
@@ -104,9 +104,9 @@ class Int8Linear(torch.nn.Linear):
         last = self.last_input
         if last is not None and last[0] is x:
             return last[1], last[2]
-        rotated = self.rotate(x.reshape(-1, x.shape[-1]).float())
+        rotated = self.rotate(x.reshape(-1, x.shape[-1]))
         row = (_absmax(rotated)[:, None] / QMAX).clamp_(min=TINY)
-        xq = rotated.div_(row).round_().to(torch.int8)
+        xq = torch.round(rotated / row).to(torch.int8)  # rotated may be x itself (no rotation)
         if last is not None:
             last[:] = (x, xq, row)
         return xq, row
@@ -118,7 +118,7 @@ class Int8Linear(torch.nn.Linear):
         y = y.mul(row).mul_(self.scale)
         if self.bias is not None:
             y = y.add_(self.bias)
-        return y.reshape(*shape[:-1], self.out_features).to(self.weight.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
 
 
 def rotation(block: int, seed: int = SIGN_SEED) -> torch.Tensor:

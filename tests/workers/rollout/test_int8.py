@@ -214,3 +214,15 @@ def test_weights_take_the_bits_this_cpu_sums_exactly(isa):
     assert exact == "True" and largest == qmax
     if isa == "avx2":
         assert qmax == 63
+
+
+def test_a_layer_without_rotation_leaves_its_weight_and_its_input_alone():
+    """Width 45 takes no rotation, so rotate returns its argument: quantizing must not write it."""
+    lin = _linear(45, 20)
+    weight = lin.weight.detach().clone()
+    layer = int8.Int8Linear(lin, int8.rotation(int8._block(45)))
+    x = torch.randn(3, 45)
+    seen = x.clone()
+    with torch.no_grad():
+        layer(x)
+    assert torch.equal(layer.weight, weight) and torch.equal(x, seen)

@@ -1,0 +1,52 @@
+"""What bench/loss_menu.sh and bench/int8_rollout.sh share: each arm is a time_to_threshold.py
+grid folder; its runs are read into rows (time and first eval step at each pass level), and
+an arm's rows into medians over the seeds that reached each level."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def first(curve: list[dict], level: float) -> tuple[float | None, int | None]:
+    """(wall s, step) of the first eval at or above `level`, or (None, None)."""
+    hit = next((e for e in sorted(curve, key=lambda e: e["step"]) if e["pass_rate"] >= level), None)
+    return (hit["wall_s"], hit["step"]) if hit else (None, None)
+
+
+def runs(out: Path, arm: str, levels: list[float], pattern: str = "*-s*") -> Iterator[tuple[dict, list, dict]]:
+    """(summary.json, steps.jsonl rows, row) of each run of `arm`, seed order; the row holds what
+    both scripts report, the caller adds its own columns."""
+    for cell in sorted((out / arm / "runs").glob(pattern)):
+        s = json.loads((cell / "summary.json").read_text())
+        steps = [json.loads(x) for x in (cell / "steps.jsonl").read_text().splitlines()] \
+            if (cell / "steps.jsonl").exists() else []
+        curve = s["eval_curve"]
+        row = {"arm": arm, "seed": s["seed"], "steps": s["steps"], "wall_s": s["wall_s"],
+               "initial_pass": curve[0]["pass_rate"] if curve else None,
+               "final_pass": curve[-1]["pass_rate"] if curve else None,
+               "trainer_idle_frac": s["trainer_idle_frac"], "rollout_idle_frac": s["rollout_idle_frac"],
+               "eval_curve": [{"step": e["step"], "wall_s": e["wall_s"], "pass_rate": e["pass_rate"]}
+                              for e in curve]}
+        for level in levels:
+            row[f"time_to_{level:.2f}_s"], row[f"step_to_{level:.2f}"] = first(curve, level)
+        yield s, steps, row
+
+
+def median(values: list[Any]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def arm_summary(rows: list[dict], levels: list[float]) -> dict[str, Any]:
+    """Seeds, and per level how many reached it and the median time and step of those that did."""
+    out: dict[str, Any] = {"seeds": len(rows)}
+    for level in levels:
+        times = [r[f"time_to_{level:.2f}_s"] for r in rows if r[f"time_to_{level:.2f}_s"] is not None]
+        out[f"reached_{level:.2f}"] = len(times)
+        out[f"median_s_{level:.2f}"] = median(times)
+        out[f"median_step_{level:.2f}"] = median([r[f"step_to_{level:.2f}"] for r in rows])
+    return out
