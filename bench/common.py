@@ -66,11 +66,23 @@ def finished_summary(folder: Path, settings: Settings) -> dict | None:
         return None
     if not finished_by_itself(summary):
         return None
-    return summary if _comparable(resolved) == _comparable(settings.to_dict()) else None
+    return summary if _comparable(resolved) == _comparable(settings.to_dict(), resolved) else None
 
 
-def _comparable(tree: dict) -> dict:
-    return {section: {k: v for k, v in values.items() if (section, k) not in IGNORED_FOR_RESUME}
+def _comparable(tree: dict, saved: dict | None = None) -> dict:
+    """`tree` without the keys resume ignores; given the `saved` settings of an earlier run, also
+    without the keys it lacks that hold their default here: a run made before a setting existed
+    ran as its default does, and stays reusable after a release adds the setting."""
+    defaults = Settings().to_dict()
+
+    def kept(section: str, key: str, value: Any) -> bool:
+        if (section, key) in IGNORED_FOR_RESUME:
+            return False
+        if saved is None or key in saved.get(section, {}):
+            return True
+        return value != defaults.get(section, {}).get(key, object())
+
+    return {section: {k: v for k, v in values.items() if kept(section, k, v)}
             for section, values in tree.items()}
 
 

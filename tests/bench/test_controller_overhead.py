@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -192,6 +193,12 @@ async def test_grid_skips_finished_cells_and_reruns_unfinished_ones(tmp_path):
     await run_grid(CELLS, tmp_path, settings_path=None, overrides=[*BASE, "run.progress=true"],
                    run_fn=fake_runner(calls), log=lambda _: None)
     assert calls == []
+    # a run saved before a setting existed ran as its default: reused while the setting holds it
+    text = (b / "settings.toml").read_text()
+    (b / "settings.toml").write_text(re.sub(r"(?m)^kv_on_update = .*\n", "", text, count=1))
+    assert "kv_on_update" not in (b / "settings.toml").read_text()
+    assert finished_summary(b, load_settings(None, BASE)) is not None
+    assert finished_summary(b, load_settings(None, [*BASE, "rollout.kv_on_update=keep"])) is None
     await run_grid(CELLS, tmp_path, settings_path=None, overrides=[*BASE, "run.max_steps=2"],
                    run_fn=fake_runner(calls), log=lambda _: None)
     assert calls == ["a", "b"]
