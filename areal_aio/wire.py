@@ -70,7 +70,10 @@ class Generate:
     templates nothing it was given before: it continues from exactly these ids (the episode's
     prompt, replies and turns so far), after the `append` turns rendered by the chat template
     as messages that follow the last reply (with the generation prompt); the Completion's
-    prompt_ids are context_ids + the appended turns' ids."""
+    prompt_ids are context_ids + the appended turns' ids.
+
+    With `stop` strings a reply also ends at the token whose text completes the first of them,
+    which stays in its tokens and text (an episode's tool call ends the reply: `</calc>`)."""
 
     request_id: str
     prompt: str  # user message; the worker applies the chat template
@@ -83,6 +86,7 @@ class Generate:
     context_ids: list[int] | None = None  # an episode's exact ids so far; `prompt` is then only a label
     append: list | None = None  # {role, content} turns after context_ids (a tool's answer), templated
     max_context: int = 0  # > 0: the reply stops before prompt_ids + reply pass this many ids (none left: empty)
+    stop: list | None = None  # strings that end the reply at the token completing the first one (kept, finish "stop")
 
 
 @dataclass(frozen=True, slots=True)

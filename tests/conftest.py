@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from areal_aio import wire
 from areal_aio.control.controller import Orchestrator
-from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
+from areal_aio.fleet.fakes import FakeRollout, FakeTrainer, cut_at_stop
 from areal_aio.fleet.rollout_pool import RolloutPool
 from areal_aio.settings import build_settings
 from areal_aio.tasks.arithmetic import arithmetic_prompt
@@ -234,17 +234,20 @@ def one_thread():
 
 class ScriptedReplies:
     """The rollout side of an episode's `Model`, scripted: answers each reply with the next of
-    `texts` (two tokens, ids numbered by the reply) and records the turns each reply carried."""
+    `texts` (two tokens, ids numbered by the reply), each cut after its first stop string as the
+    engine cuts it, and records the turns and the stop strings each reply carried."""
 
     def __init__(self, texts: list[str]) -> None:
         self.texts = list(texts)
         self.appended: list = []
+        self.stops: list = []
 
-    async def __call__(self, sent, append, limit, room):
+    async def __call__(self, sent, append, limit, room, stop):
         self.appended.append(append)
+        self.stops.append(stop)
         ids = [len(self.appended)] * 2
         return wire.Completion("r", [9] if sent is None else sent + [5], ids, [-0.5, -0.5], [0, 0],
-                               self.texts.pop(0), "stop", 0, 0.0)
+                               cut_at_stop(self.texts.pop(0), stop), "stop", 0, 0.0)
 
 
 class Jitter:

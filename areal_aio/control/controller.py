@@ -512,7 +512,8 @@ class Orchestrator:
         is aborted); one that ends without a reply drops its group (nothing to train)."""
         bounds = episodes.Bounds.of(self.settings)
         model = sample.model = episodes.Model(
-            bounds, lambda sent, append, limit, room: self._reply(sample, group, sent, append, limit, room))
+            bounds, lambda sent, append, limit, room, stop: self._reply(sample, group, sent, append, limit,
+                                                                        room, stop))
         score, failure = await episodes.play(self._episode, sample.task, model, bounds.timeout_s)
         if failure is not None:
             self.counts.episode_failures += 1
@@ -529,7 +530,7 @@ class Orchestrator:
         self._scored(sample, group, score)
 
     async def _reply(self, sample: Sample, group: PendingGroup, sent: list[int] | None,
-                     append: list[dict] | None, limit: int, room: int) -> wire.Completion:
+                     append: list[dict] | None, limit: int, room: int, stop: list[str] | None) -> wire.Completion:
         """One reply of an episode: a Generate, its Completion. An abort answer (on_interrupt =
         restart) resubmits the reply, or past controller.max_retries drops the group."""
         r = self.settings.rollout
@@ -548,7 +549,7 @@ class Orchestrator:
             await self.rollout.send(wire.Generate(
                 rid, sample.task.text, limit, r.temperature, r.top_p, seed,
                 sample.task.messages if first else None, context_ids=sent, append=append,
-                max_context=room))
+                max_context=room, stop=stop))
             try:
                 msg = await sample.waiting
             except asyncio.CancelledError:  # a timeout or a dropped group: the reply is not wanted

@@ -5,7 +5,8 @@ controller runs each sample of a group as one asyncio task (Orchestrator._episod
 gets a `Model` and calls:
 
     await model.reply()            -> one Generate to the rollout workers, awaits its Completion,
-                                      returns the reply's text
+                                      returns the reply's text (stop=[...]: it ends at the first
+                                      of these strings, kept, e.g. a tool call's closing tag)
     model.add_turn(role, text)     -> a tool or environment turn, sent with the next reply
 
 and returns its reward (a float or a Score) or None: task.reward then scores the last reply.
@@ -53,10 +54,11 @@ CALCULATOR = "areal_aio.tasks.calculator:episode"
 """What task.name = calculator runs when task.episode is empty."""
 
 Episode = Callable[[Task, "Model"], Awaitable[Any]]
-Request = Callable[[list[int] | None, list[dict[str, str]] | None, int, int], Awaitable[wire.Completion]]
+Request = Callable[[list[int] | None, list[dict[str, str]] | None, int, int, list[str] | None],
+                   Awaitable[wire.Completion]]
 """How a Model asks for a reply: (context_ids or None for the first, turns to append,
-max_new_tokens, max_context) -> the reply's Completion (the controller sends the Generate and
-retries aborts)."""
+max_new_tokens, max_context, stop strings or None) -> the reply's Completion (the controller
+sends the Generate and retries aborts)."""
 
 
 class EpisodeLimit(RuntimeError):
@@ -198,10 +200,14 @@ class Model:
         self._pending.append(row)
         self.transcript.turns.append(row)
 
-    async def reply(self, max_new_tokens: int | None = None) -> str:
+    async def reply(self, max_new_tokens: int | None = None, stop: list[str] | None = None) -> str:
         """The policy's next reply (its text), after the turns added since the last one (none
         added: a new assistant turn right after the last reply). `max_new_tokens` lowers this
-        reply's limit. EpisodeLimit past task.episode_turns or task.episode_tokens."""
+        reply's limit; `stop` strings end it at the token that completes the first of them (the
+        string stays in the reply, which then has no EOS: the next turn follows it). EpisodeLimit
+        past task.episode_turns or task.episode_tokens."""
+        if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)):
+            raise TypeError(f"reply(stop=...) takes a list of non-empty strings, got {stop!r}")
         b = self._bounds
         if self.replies >= b.turns:
             raise EpisodeLimit(f"a reply past task.episode_turns = {b.turns}")
@@ -213,7 +219,7 @@ class Model:
         room = 0 if first else len(self.transcript.prompt_ids) + b.tokens
         added, self._pending = self._pending, []
         turns = [{"role": t["role"], "content": t["text"]} for t in added] or None
-        msg = await self._request(sent, turns, limit, room)
+        msg = await self._request(sent, turns, limit, room, list(stop) if stop else None)
         self.replies += 1
         self.transcript.add_reply(msg, sent, added)
         if not msg.completion_ids:

@@ -86,10 +86,10 @@ async def run_episodes(episode: episodes.Episode, eval_set: list[Task], step: in
         replies = itertools.count()
 
         def request(sent: list[int] | None, append: list[dict[str, str]] | None, limit: int,
-                    room: int) -> Awaitable[wire.Completion]:
+                    room: int, stop: list[str] | None) -> Awaitable[wire.Completion]:
             return ask(wire.Generate(f"eval{step}{label}.{i}.r{next(replies)}", task.text, limit, 0.0, 1.0,
                                      messages=task.messages if sent is None else None,
-                                     context_ids=sent, append=append, max_context=room))
+                                     context_ids=sent, append=append, max_context=room, stop=stop))
 
         model = episodes.Model(bounds, request)
         score, failure = await episodes.play(episode, task, model, bounds.timeout_s)

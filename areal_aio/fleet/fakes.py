@@ -41,6 +41,12 @@ def solving_policy(prompt: str, version: int) -> str:
     return f"<answer>{answer}</answer>" if version >= 4 else f"It is {answer}."
 
 
+def cut_at_stop(text: str, stop: list[str] | None) -> str:
+    """`text` up to and including the first of the `stop` strings it holds (the engine's cut)."""
+    ends = [text.find(s) + len(s) for s in stop or () if s in text]
+    return text[:min(ends)] if ends else text
+
+
 def policy_continuation(msg: wire.Generate, version: int) -> str:
     """The default continuation: what the policy would answer, whatever the prefix."""
     return solving_policy(msg.prompt, version)
@@ -203,8 +209,8 @@ class FakeRollout(_FakeWorker):
 
     def answer(self, msg: wire.Generate, version: int) -> str:
         if msg.prefix or msg.context_ids is not None:
-            return self.continuation(msg, version)
-        return self.policy(msg.prompt, version)
+            return cut_at_stop(self.continuation(msg, version), msg.stop)
+        return cut_at_stop(self.policy(msg.prompt, version), msg.stop)
 
     def token_delay(self, request_id: str) -> float:
         """Seconds per token of this request (override for uneven timings)."""

@@ -27,6 +27,8 @@ CALCULATOR_INSTRUCTION = ("You may use a calculator: write <calc>expression</cal
                           "and parentheses) and its value comes back. Give only the final answer "
                           "inside <answer></answer> tags.")
 CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+CALL_END = "</calc>"
+"""A reply stops here (its tool call is complete): the value comes back before it goes on."""
 MAX_EXPRESSION = 200
 """Characters of an expression the calculator takes: bounds the parse and the numbers' size."""
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
@@ -90,8 +92,8 @@ def calculate(expression: str) -> str:
 async def episode(task: Task, model: Model) -> None:
     """Reply; while the reply calls the calculator and gives no answer yet, answer the call as a
     tool turn and reply again (at most task.episode_turns replies). task.reward scores the last."""
-    text = await model.reply()
+    text = await model.reply(stop=[CALL_END])
     while (call := CALL.search(text)) and "<answer>" not in text and model.replies_left:
         model.add_turn("tool", calculate(call.group(1)))
-        text = await model.reply()
+        text = await model.reply(stop=[CALL_END])
     return None

@@ -6,6 +6,7 @@ real workers (slow)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import orjson
 import pytest
@@ -16,6 +17,7 @@ from areal_aio.control.controller import Orchestrator
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer, prompt_ids
 from areal_aio.settings import SettingsError, build_settings
 from areal_aio.store import checkpoint
+from areal_aio.tasks.task import Task
 from tests.conftest import Jitter, make_settings, orchestrator, tasks
 
 TOOL_TEXT = "7"
@@ -319,6 +321,44 @@ async def test_task_name_calculator_runs_the_calculator_episode(tmp_path):
     assert all(r["pass"] and r["reward"] > 1 for r in trained)  # right and tagged: the answer reward
     assert all(r["turns"][1]["text"] == r["answer"] for r in trained)
     assert all(s.loss_mask.count(0) > 0 for b in trainer.batches for s in b.samples)
+    assert all(m.stop == ["</calc>"] for m in seen)  # every reply ends at a complete call
+
+
+def code_tasks(n: int | None = None, start: int = 0):
+    """add(a, b) problems with argument/output tests (a code task's JSONL rows, as Tasks)."""
+    i = start
+    while n is None or i < start + n:
+        tests = [{"args": [i, k], "output": i + k} for k in (1, 2)]
+        yield Task(id=f"c{i}", prompt=f"Write add(a, b) returning a + b (e.g. add({i}, 1)).", answer="",
+                   extra={"tests": tests, "entry_point": "add"})
+        i += 1
+
+
+async def test_the_code_feedback_episode_trains_a_fixed_program_with_its_feedback_masked(tmp_path):
+    """task.episode = code_feedback on the fakes, each program judged in the sandbox: the first
+    reply subtracts, the failure's reason comes back as a user turn, the second adds and passes."""
+    def first(prompt, version):
+        return "```python\ndef add(a, b):\n    return a - b\n```"
+
+    def fixed(msg, version):
+        assert msg.append[0]["role"] == "user" and "wrong output" in msg.append[0]["content"]
+        return "```python\ndef add(a, b):\n    return a + b\n```"
+
+    trainer = FakeTrainer()
+    settings = make_settings("areal", **{"run.max_steps": 2, "task.eval_every": 2,
+                                         "task.episode": "areal_aio.tasks.code_feedback:episode",
+                                         "controller.reward_procs": 1})
+    summary = await Orchestrator(settings, tasks=code_tasks(), eval_set=list(code_tasks(2, start=100)),
+                                 out_dir=tmp_path / "run", rollout=FakeRollout(policy=first, continuation=fixed),
+                                 trainer=trainer).run()
+    assert summary["steps"] == 2 and summary["episode_failures"] == 0 and summary["reward_failures"] == 0
+    trained = rows(tmp_path / "run")
+    assert trained and all(r["pass"] and r["reward"] == 1.0 for r in trained)
+    assert all([t["role"] for t in r["turns"]] == ["assistant", "user", "assistant"] for r in trained)
+    assert all([t["trained"] for t in r["turns"]] == [True, False, True] for r in trained)
+    masks = [[k for k, _ in itertools.groupby(s.loss_mask)] for b in trainer.batches for s in b.samples]
+    assert masks and all(m == [1, 0, 1] for m in masks)  # reply, feedback (never trained), reply
+    assert [e["pass_rate"] for e in summary["eval_curve"]] == [1.0, 1.0]
 
 
 async def test_an_episode_runs_eval_is_greedy_episodes_with_their_turns(tmp_path):

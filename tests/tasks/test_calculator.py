@@ -47,7 +47,8 @@ def test_the_tool_answers_values_and_errors_as_text():
     (["<answer>5</answer>"], 1, []),
     (["<calc>2+3</calc>", "<answer>5</answer>"], 2, ["5"]),
     (["<calc>2+3</calc>", "<calc>1/0</calc>", "<calc>9</calc>"], 3, ["5", "error: division by zero"]),
-    (["<calc>2+3</calc> so <answer>5</answer>"], 1, []),
+    # the reply stops at </calc>: what the model would have written after it never comes
+    (["<calc>2+3</calc> so <answer>7</answer>", "<answer>5</answer>"], 2, ["5"]),
 ])
 async def test_the_episode_answers_calls_until_an_answer_or_the_reply_limit(texts, turns, tools):
     script = ScriptedReplies(texts)
@@ -56,6 +57,7 @@ async def test_the_episode_answers_calls_until_an_answer_or_the_reply_limit(text
     assert model.replies == turns
     assert [a[0]["content"] for a in script.appended if a] == tools
     assert all(a[0]["role"] == "tool" for a in script.appended if a)
+    assert script.stops == [["</calc>"]] * turns
 
 
 def test_calculator_tasks_and_their_held_out_set_offer_the_tool():

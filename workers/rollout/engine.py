@@ -7,10 +7,13 @@ No pipe code here: `workers/rollout/worker.py` feeds it messages; tests drive it
                     repeated for every row that shares it; sample each row's first token;
                     merge the rows into the batch
                 decode, 1 to n times: feed every row's pending token, sample the next one
-                look: read the sampled tokens on the host, retire finished rows
+                look: read the sampled tokens on the host, retire finished rows (EOS, a stop string,
+                    the length limit)
     update_weights(version, path): load, drop every KV (batch and prefix cache), recompute it
                     for the running rows: distinct prompts once, then the completions so far
                     in passes of similar lengths; later tokens carry `version`
+                    (keep_kv: drop the prefix cache only; the running rows go on over the
+                    KV the old weights computed, as PipelineRL does)
 
 The host never waits for a decode step: the pending tokens, positions, mask, seeds and
 counters of the rows are device tensors, and the tokens drawn wait on the device for the next
@@ -50,6 +53,8 @@ pays one prefill instead of one per admission. About 2 MB each for SmolLM2-135M.
 FORWARD_OVERHEAD_TOKENS = 16
 """The fixed cost of one more forward pass (reading every weight once) in tokens of work: on
 CPU a 1-token step of SmolLM2-135M costs about as much as 16 tokens of a long pass."""
+STOP_SPARE_TOKENS = 4
+"""Tokens read past a stop string's length when looking for it (Engine._stopped)."""
 HEADROOM_TOKENS = 32
 """Spare KV columns allocated past a cache's length: decode steps write into them in place
 instead of copying the whole cache (DynamicLayer's torch.cat) every step. The batch is copied
@@ -66,6 +71,7 @@ class Request:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None  # sampling seed (areal_aio.seeds); None: the engine assigns one
+    stop: tuple[str, ...] = ()  # strings whose completion ends the sequence (finish "stop"; kept)
 
 
 @dataclass(slots=True)
@@ -247,14 +253,16 @@ class Engine:
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch: int = 32, version: int = 0,
                  seed: int = 0, look_every_step: bool | None = None,
-                 load: Callable[[Any, str], float] = load_weights) -> None:
+                 load: Callable[[Any, str], float] = load_weights, keep_kv: bool = False) -> None:
         """`look_every_step`: read the sampled tokens after every decode step, so finished rows
         leave the batch at once (default: on a CPU, where the read is free and a finished row's
         compute is not); else only when a waiting request may take a freed slot, at a row's
         length limit and at the end of `advance` (see there). `load(model, path) -> seconds`
         puts a published version into the model: the whole weights (default), or a LoRA run's
-        adapter (workers/lora.py handoff)."""
+        adapter (workers/lora.py handoff). `keep_kv`: a weight update keeps the running rows' KV
+        (rollout.kv_on_update = keep; see update_weights)."""
         self.model = model
+        self.keep_kv = keep_kv
         self.load = load
         self.tokenizer = tokenizer
         self.max_batch = max_batch
@@ -484,7 +492,7 @@ class Engine:
                 seq.completion.append(token)
                 seq.logprobs.append(logprob)
                 seq.versions.append(self.version)
-                if token in self.eos:
+                if token in self.eos or (seq.req.stop and self._stopped(seq)):
                     finish = "stop"
                 elif len(seq.completion) >= seq.req.max_new_tokens:
                     finish = "length"
@@ -496,6 +504,15 @@ class Engine:
                 keep.append(i)
         b.keep(keep)
         return done
+
+    def _stopped(self, seq: _Seq) -> bool:
+        """Whether the last token completed one of the request's stop strings: it is in the text
+        of the last few tokens (enough for the longest string; a token that is only part of a
+        character decodes to no full one, hence the spare) and was not before that token."""
+        window = max(map(len, seq.req.stop)) + STOP_SPARE_TOKENS
+        tail = self.tokenizer.decode(seq.completion[-window:], skip_special_tokens=True)
+        before = self.tokenizer.decode(seq.completion[-window:-1], skip_special_tokens=True)
+        return any(s in tail and s not in before for s in seq.req.stop)
 
     def _sample(self, logits: torch.Tensor, b: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(token [B], its log-prob [B] under the distribution it was drawn from).
@@ -528,15 +545,24 @@ class Engine:
 
         Returns the WeightsLoaded reply and any rows that finished on the token sampled right
         after the rebuild. Queued requests need nothing: they start on the new weights.
+
+        With `keep_kv` nothing is rebuilt: the running rows decode on over the keys and values
+        the old weights computed, their pending token (drawn under the old weights) fed next.
+        The tokens they draw from then on carry `version` and their log-probs are those of the
+        mixed state that drew them, which is what decoupled PPO's behaviour policy is; the
+        trainer's recomputation under one version differs from it more than after a rebuild
+        (mismatch_kl shows by how much).
         """
         load_s = self.load(self.model, path)
         self.version = version
         self.prefixes.clear()  # computed with the old weights
         seqs = self.batch.seqs
-        self.batch = _Batch()
-        done: list[Completion] = []
         for seq in seqs:
             seq.interrupts += 1
+        if self.keep_kv:
+            return WeightsLoaded(version=version, load_s=load_s, rebuilt=0), []
+        self.batch = _Batch()
+        done: list[Completion] = []
         # The pending token is part of the completion: the rebuild caches it too and samples the
         # next token under the new weights, restoring the invariant with a new pending token.
         for group in _tail_buckets(sorted(seqs, key=lambda s: len(s.completion))):

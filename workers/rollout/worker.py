@@ -12,7 +12,8 @@
                              with rollout.quantize = int8 then requantized (rollout/int8.py)
             Shutdown, EOF -> return
         pending weights:
-            interrupt on  -> load now (we are at a chunk boundary), rebuild KV, WeightsLoaded
+            interrupt on  -> load now (we are at a chunk boundary), rebuild KV (kv_on_update =
+                             keep: no rebuild), WeightsLoaded
             interrupt off -> stop admitting; once no row runs: load, WeightsLoaded, admit again
         chunk_tokens engine steps -> a Completion as soon as the engine looks at a finished
                                      sequence (every step on a CPU; see Engine.advance)
@@ -61,7 +62,8 @@ class RolloutWorker:
         load = lora.handoff(s.lora, s.model.path) if s.lora.rank else load_weights
         if ro.quantize == "int8":  # generation in int8; each version requantized after its load
             load = int8.refreshing(load, int8.quantize(model))
-        self.engine = Engine(model, self.tokenizer, max_batch=ro.max_batch, seed=s.run.seed, load=load)
+        self.engine = Engine(model, self.tokenizer, max_batch=ro.max_batch, seed=s.run.seed, load=load,
+                             keep_kv=ro.kv_on_update == "keep")
         self.pending: wire.UpdateWeights | None = None
 
     def run(self, channel: Channel) -> None:
@@ -99,7 +101,8 @@ class RolloutWorker:
                     if limit < 1:
                         channel.send(wire.Completion(msg.request_id, ids, [], [], [], "", "length", 0, 0.0))
                         return
-                self.engine.add(Request(msg.request_id, ids, limit, msg.temperature, msg.top_p, msg.seed))
+                self.engine.add(Request(msg.request_id, ids, limit, msg.temperature, msg.top_p, msg.seed,
+                                        tuple(msg.stop or ())))
             case wire.Abort():
                 done = self.engine.abort(msg.request_id)
                 if done is not None:

@@ -278,6 +278,57 @@ def test_weight_update_mid_generation_rebuilds_and_versions_tokens(tiny, tmp_pat
         assert any(abs(ref[0][i] - ref[1][i]) > 1e-3 for i in range(len(versions)))  # they differ
 
 
+def test_keep_kv_update_decodes_on_over_the_old_weights_kv(tiny, tmp_path):
+    """rollout.kv_on_update = keep: nothing is rebuilt; a token drawn after the update has the
+    log-prob of the new weights reading the old weights' KV of everything before the pending
+    token, and a request queued meanwhile starts on the new weights (no stale prefix)."""
+    model, tok = tiny
+    model = copy.deepcopy(model)
+    v0, v1 = copy.deepcopy(model), _perturbed(model, seed=7)
+    path = WeightStore(tmp_path).publish(v1, 1)
+    engine = Engine(model, tok, max_batch=2, seed=7, keep_kv=True)
+    for i, prompt in enumerate([PROMPTS[3], PROMPTS[0], PROMPTS[0]]):  # "r2" waits for a slot
+        engine.add(Request(f"r{i}", encode_prompt(tok, prompt), 12, 0.8, 0.95))
+    assert not run_steps(engine, 4)
+    before = {s.req.request_id: len(s.completion) for s in engine.batch.seqs}
+    loaded, done = engine.update_weights(1, str(path))
+    assert loaded.rebuilt == 0 and not done and len(engine.batch) == 2
+    out = _drain(engine)
+    for rid, k in before.items():
+        c = out[rid]
+        assert c.interrupts == 1 and c.versions == [0] * k + [1] * (12 - k)
+        prompt = torch.tensor([c.prompt_ids + c.completion_ids[:k - 1]])
+        with torch.no_grad():  # old KV up to the pending token, then the new weights
+            past = v0(prompt, use_cache=True).past_key_values
+            logits = v1(torch.tensor([c.completion_ids[k - 1:-1]]), past_key_values=past).logits[0]
+        logp = torch.log_softmax(TopPLogitsWarper(0.95)(None, TemperatureLogitsWarper(0.8)(None, logits)), -1)
+        expected = logp.gather(1, torch.tensor(c.completion_ids[k:])[:, None])[:, 0].tolist()
+        assert c.logprobs[k:] == pytest.approx(expected, abs=1e-4)
+        rebuilt = _reference_logprobs(v1, c, 0.8, 0.95)[k:]
+        assert max(abs(a - b) for a, b in zip(c.logprobs[k:], rebuilt, strict=True)) > 1e-3
+    assert out["r2"].versions == [1] * 12 and out["r2"].interrupts == 0
+    assert out["r2"].logprobs == pytest.approx(_reference_logprobs(v1, out["r2"], 0.8, 0.95), abs=1e-4)
+
+
+def test_a_stop_string_ends_the_row_at_the_token_that_completes_it(tiny):
+    """The stop string is what the greedy reply writes from its 4th token on: the reply with it
+    ends at the first token whose text completes it (kept), its batch mate runs on."""
+    model, tok = tiny
+    prompt = encode_prompt(tok, PROMPTS[0])
+    engine = Engine(model, tok, max_batch=2, seed=1)
+    engine.add(Request("free", prompt, 16, 0.0))
+    full = _drain(engine)["free"].completion_ids
+    stop = tok.decode(full[3:6], skip_special_tokens=True)[:6]
+    assert stop
+    end = next(k for k in range(1, len(full) + 1) if stop in tok.decode(full[:k], skip_special_tokens=True))
+    assert end < len(full)
+    engine.add(Request("stop", prompt, 16, 0.0, stop=("never written", stop)))
+    engine.add(Request("mate", prompt, 16, 0.0))
+    out = _drain(engine)
+    assert out["stop"].completion_ids == full[:end] and out["stop"].finish == "stop"
+    assert stop in out["stop"].text and out["mate"].completion_ids == full
+
+
 def test_update_weights_with_a_missing_file_raises(tiny, tmp_path):
     model, tok = tiny
     engine = Engine(copy.deepcopy(model), tok)
