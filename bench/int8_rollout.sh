@@ -8,7 +8,8 @@
 #     EXTRA=--quick bash bench/int8_rollout.sh OUT "0"   # a smoke run on tiny-random
 #
 # Arms: sync (run.mode = sync: the workers take turns, each with every core), areal (the default
-# file), int8 (areal with rollout.quantize = int8), sync-int8 (sync with it). OUT/int8_rollout.json gathers per seed the time
+# file), int8 (areal with rollout.quantize = int8), sync-int8 (sync with it), keep (areal with
+# rollout.kv_on_update = keep: no KV rebuild after a load), int8-keep (both). OUT/int8_rollout.json gathers per seed the time
 # and first eval step at each level, the final pass rate, the mean mismatch_kl (behaviour vs the
 # trainer's float32 log-probs of a version's own tokens), tokens generated per second and both
 # workers' idle shares; per arm the medians over the seeds that reached each level (README: int8
@@ -28,6 +29,8 @@ args() {  # the mode and settings of one arm
         areal) echo "--modes areal" ;;
         int8) echo "--modes areal --set rollout.quantize=int8" ;;
         sync-int8) echo "--modes sync --set rollout.quantize=int8" ;;
+        keep) echo "--modes areal --set rollout.kv_on_update=keep" ;;
+        int8-keep) echo "--modes areal --set rollout.quantize=int8 --set rollout.kv_on_update=keep" ;;
         *) echo "unknown arm $1" >&2; exit 2 ;;
     esac
 }
@@ -61,7 +64,7 @@ for arm in arms:
     for key in ("mismatch_kl_mean", "gen_tokens_per_s", "trainer_idle_frac", "rollout_idle_frac", "final_pass"):
         summary[arm][f"median_{key}"] = median([r[key] for r in mine])
 for arm, row in summary.items():
-    for base in ("sync", "areal", "sync-int8"):
+    for base in ("sync", "areal", "sync-int8", "int8"):
         if arm == base or base not in summary:
             continue
         for level in levels:

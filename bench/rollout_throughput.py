@@ -2,6 +2,8 @@
 
     python bench/rollout_throughput.py [--quick] [--threads 1,2] [--out DIR]
     python bench/rollout_throughput.py --device cuda --dtype bfloat16 --threads 1 --sequences 256 --max-batch 128
+    python bench/rollout_throughput.py --model FOLDER --random-weights ...   (FOLDER: a model's
+        config.json and tokenizer files; the weights are random, for a machine the model can't reach)
 
 Every method generates the same sequences (arithmetic prompts, GRPO groups of identical
 prompts), with the same sampling (temperature, top_p) and the same max_new_tokens:
@@ -11,10 +13,16 @@ prompts), with the same sampling (temperature, top_p) and the same max_new_token
                      rollout.chunk_tokens steps (on a GPU the host reads tokens once a chunk
                      while no request waits for a slot; on a CPU after every step)
     engine+updates   the same, with new weights loaded (KV rebuilt) every --update-every steps
+    engine+updates/keep  the same updates with rollout.kv_on_update = keep (no rebuild: the rows
+                     decode on over the old weights' KV)
     engine/int8      the engine on the model with rollout.quantize = int8 (CPU only), and
-    engine/int8+updates  with updates, each load requantizing (areal_aio/workers/rollout/int8.py)
+    engine/int8+updates  with updates, each load requantizing (areal_aio/workers/rollout/int8.py),
+    engine/int8+updates/keep  and those updates keeping the KV
     generate/b<G>    model.generate on static batches of one group each (G sequences)
     generate/b<M>    model.generate on static batches of max_batch sequences
+    generate/b<M>/static  the same with transformers' static KV cache, with which generate
+                     compiles the decode step (torch.compile; on a GPU with CUDA graphs; on a
+                     CPU only with --compiled); compile time apart (compile_s)
     hf-cb            transformers' own continuous batching (model.generate_batch, with logprobs)
 
 engine/int8 also reports `mismatch_kl`: the k3 KL per token between the int8 sampler's
@@ -51,7 +59,14 @@ from areal_aio.settings import RolloutSettings  # noqa: E402
 from areal_aio.store.safetensors_io import load_weights  # noqa: E402
 from areal_aio.store.weights import SHM_BASE, WeightStore  # noqa: E402
 from areal_aio.workers.common import configure_torch  # noqa: E402
-from areal_aio.workers.models import SMOLLM2, TINY, encode_prompt, load_model  # noqa: E402
+from areal_aio.workers.models import (  # noqa: E402
+    SMOLLM2,
+    TINY,
+    encode_prompt,
+    hf_folder,
+    load_model,
+    load_tokenizer,
+)
 from areal_aio.workers.rollout import int8  # noqa: E402
 from areal_aio.workers.rollout.engine import Engine, Request  # noqa: E402
 from areal_aio.workers.trainer.losses import k3_kl  # noqa: E402
@@ -75,10 +90,11 @@ def prompts(tok: Any, sequences: int, group: int) -> list[list[int]]:
 
 def run_engine(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_batch: int,
                updates: tuple[int, list[Path]] | None = None, load: Any = load_weights,
-               reference: Any = None) -> dict[str, Any]:
+               reference: Any = None, keep_kv: bool = False) -> dict[str, Any]:
     """All sequences queued at once; with `updates` = (every, paths), weights change mid-run
-    (through `load`). With a `reference` model (no updates), also its mismatch_kl."""
-    engine = Engine(model, tok, max_batch=max_batch, seed=0, load=load)
+    (through `load`; `keep_kv`: rollout.kv_on_update = keep). With a `reference` model (no
+    updates), also its mismatch_kl."""
+    engine = Engine(model, tok, max_batch=max_batch, seed=0, load=load, keep_kv=keep_kv)
     for i, prompt in enumerate(ids):
         engine.add(Request(str(i), prompt, max_new, TEMPERATURE, TOP_P))
     done, steps, loads, rebuilt, load_s, update_s = [], 0, 0, 0, 0.0, 0.0
@@ -122,26 +138,47 @@ def mismatch_kl(reference: Any, done: list[Any]) -> float:
     return total / max(1, count)
 
 
-def run_generate(model: Any, tok: Any, ids: list[list[int]], max_new: int, batch: int) -> dict[str, Any]:
-    """model.generate on static, left-padded batches of `batch` sequences, one after the other."""
+def run_generate(model: Any, tok: Any, ids: list[list[int]], max_new: int, batch: int,
+                 static: bool = False) -> dict[str, Any]:
+    """model.generate on static, left-padded batches of `batch` sequences, one after the other.
+
+    `static`: transformers' static KV cache, with which generate compiles the decode step
+    (torch.compile, CUDA graphs on a GPU): every batch padded to one width, so one graph serves
+    them all; the first batch is generated once untimed (the compile, reported as compile_s)."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos = tok.eos_token_id
-    tokens = 0
-    t0 = time.perf_counter()
-    for start in range(0, len(ids), batch):
-        rows = ids[start:start + batch]
-        width = max(map(len, rows))
+    fixed = max(map(len, ids)) if static else None
+    extra: dict[str, Any] = {"cache_implementation": "static"} if static else {}
+    if static and model.device.type == "cpu":  # generate compiles on accelerators only unless told
+        from transformers.generation.configuration_utils import CompileConfig
+
+        extra["compile_config"] = CompileConfig(mode="default")
+        extra["compile_config"]._compile_all_devices = True
+
+    def generate(rows: list[list[int]]) -> list[list[int]]:
+        width = fixed or max(map(len, rows))
         device = model.device
         input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
         with torch.inference_mode():
             out = model.generate(input_ids, attention_mask=mask, do_sample=True,
                                  temperature=TEMPERATURE, top_p=TOP_P, top_k=0,
-                                 max_new_tokens=max_new)[:, width:]
-        for row in out.tolist():
+                                 max_new_tokens=max_new, **extra)[:, width:]
+        return out.tolist()
+
+    compile_s = None
+    if static:
+        t0 = time.perf_counter()
+        generate(ids[:batch])
+        compile_s = time.perf_counter() - t0
+    tokens = 0
+    t0 = time.perf_counter()
+    for start in range(0, len(ids), batch):
+        for row in generate(ids[start:start + batch]):
             tokens += row.index(eos) + 1 if eos in row else len(row)
     seconds = time.perf_counter() - t0
-    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "sequences": len(ids)}
+    out = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "sequences": len(ids)}
+    return out if compile_s is None else {**out, "compile_s": compile_s}
 
 
 def run_hf_cb(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_batch: int) -> dict[str, Any]:
@@ -163,6 +200,18 @@ def run_hf_cb(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_batc
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.generated_tokens) for o in out.values())
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "sequences": len(out)}
+
+
+def random_model(spec: str, dtype: str, device: str) -> tuple[Any, Any]:
+    """(model, tokenizer): `spec`'s config and tokenizer, the weights drawn at random (seed 0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf_folder(spec))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).to(device).eval()
+    tok = load_tokenizer(spec)
+    model.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return model, tok
 
 
 def perturbed_weights(model: Any, store: WeightStore) -> list[Path]:
@@ -196,6 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu | cuda (every method runs there)")
     parser.add_argument("--dtype", default="float32", help="model dtype (rollout.dtype): float32 | bfloat16")
     parser.add_argument("--no-hf-cb", action="store_true", help="skip transformers' continuous batching")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="build the model from --model's config with random weights (its shape and "
+                             "tokenizer, none of its weights: replies run to --max-new-tokens)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="on a CPU too: generate/b<max_batch>/static, transformers' compiled decode step "
+                             "(torch.compile with inductor: a C++ compiler, minutes of compiling)")
+    parser.add_argument("--only", default=None, help="comma-separated methods to run (default all)")
     parser.add_argument("--out", default=str(REPO / "bench" / "out" / "rollout_throughput"))
     args = parser.parse_args(argv)
     # this script owns its process: a SIGTERM (timeout, Ctrl-C from a runner) unwinds through
@@ -209,7 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    model, tok = load_model(spec, seed=0, dtype=args.dtype, device=args.device)
+    if args.random_weights:
+        model, tok = random_model(spec, args.dtype, args.device)
+    else:
+        model, tok = load_model(spec, seed=0, dtype=args.dtype, device=args.device)
     ids = prompts(tok, sequences, args.group)
     base = SHM_BASE if SHM_BASE.parent.is_dir() else Path(tempfile.gettempdir()) / "areal_aio_shm"
     store = WeightStore.create("bench-rollout", base=base)
@@ -221,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             ("engine", lambda: run_engine(model, tok, ids, max_new, args.max_batch, reference=model)),
             ("engine+updates", lambda: run_engine(model, tok, ids, max_new, args.max_batch,
                                                   (update_every, paths))),
+            ("engine+updates/keep", lambda: run_engine(model, tok, ids, max_new, args.max_batch,
+                                                       (update_every, paths), keep_kv=True)),
             (f"generate/b{args.group}", lambda: run_generate(model, tok, ids, max_new, args.group)),
             (f"generate/b{args.max_batch}",
              lambda: run_generate(model, tok, ids, max_new, args.max_batch)),
@@ -234,13 +295,32 @@ def main(argv: list[str] | None = None) -> int:
                                                    reference=model)),
                 ("engine/int8+updates", lambda: run_engine(quantized, tok, ids, max_new, args.max_batch,
                                                            (update_every, paths), load=refresh)),
+                ("engine/int8+updates/keep", lambda: run_engine(quantized, tok, ids, max_new, args.max_batch,
+                                                                (update_every, paths), load=refresh,
+                                                                keep_kv=True)),
             ]
+        if args.device.startswith("cuda") or args.compiled:  # transformers' compiled decode
+            methods.append((f"generate/b{args.max_batch}/static",
+                            lambda: run_generate(model, tok, ids, max_new, args.max_batch, static=True)))
         if not args.no_hf_cb:
             methods.append(("hf-cb", lambda: run_hf_cb(model, tok, ids, max_new, args.max_batch)))
+        if args.only:
+            wanted = args.only.split(",")
+            unknown = set(wanted) - {name for name, _ in methods}
+            if unknown:
+                parser.error(f"--only: no method {', '.join(sorted(unknown))}; "
+                             f"known: {', '.join(name for name, _ in methods)}")
+            methods = [(name, fn) for name, fn in methods if name in wanted]
         for n in threads:
             configure_torch(args.device, n)
-            # warm-up: one short pass of each kind (allocator, kernels, lazy imports)
-            run_engine(model, tok, ids[:args.group], 4, args.max_batch)
+            # warm-up: one short pass of each kind (allocator, kernels, lazy imports); on a GPU
+            # the engine's whole run, since each new shape pays once (kernel choice, allocator):
+            # else the method timed first pays it alone
+            if args.device.startswith("cuda"):
+                run_engine(model, tok, ids, max_new, args.max_batch)
+                run_generate(model, tok, ids[:args.max_batch], max_new, args.max_batch)
+            else:
+                run_engine(model, tok, ids[:args.group], 4, args.max_batch)
             if quantized is not None:
                 run_engine(quantized, tok, ids[:args.group], 4, args.max_batch)
             run_generate(model, tok, ids[:args.group], 4, args.group)
@@ -257,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         store.close()
 
     summary = _summarize(rows, threads, args.group, load_times)
-    results = {"model": spec, "device": args.device, "dtype": args.dtype, "sequences": sequences, "group": args.group, "max_new_tokens": max_new,
+    results = {"model": spec, "random_weights": args.random_weights, "device": args.device, "dtype": args.dtype, "sequences": sequences, "group": args.group, "max_new_tokens": max_new,
                "max_batch": args.max_batch, "temperature": TEMPERATURE, "top_p": TOP_P,
                "update_every": update_every, "rows": rows, "weight_load_s": load_times,
                "weight_load_median_s": statistics.median(load_times), **summary}
