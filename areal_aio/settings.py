@@ -215,7 +215,7 @@ class RolloutSettings:
     top_p: float = opt(1.0, "Nucleus sampling mass; 1.0 disables.", gt=0, le=1)
     interrupt: bool = opt(True, "On new weights, stop at the next chunk, reload, rebuild the KV cache and continue (preset by run.mode).")
     max_batch: int = opt(32, "Sequences decoded together (continuous-batching slots).", ge=1)
-    kv_on_update: str = opt("rebuild", "What an interrupt does to the rows in flight after loading new weights: rebuild (recompute their KV under the new weights, as AReaL does) | keep (decode on over the KV the old weights computed, as PipelineRL does: no rebuild pass, a larger mismatch_kl; README: int8 rollout on a CPU).", choices=("rebuild", "keep"))
+    kv_on_update: str = opt("rebuild", "What an interrupt does to the rows in flight after loading new weights: rebuild (recompute their KV under the new weights, as AReaL does) | keep (decode on over the KV the old weights computed, as PipelineRL does: no rebuild pass; the tokens drawn after the load carry the new version and the log-probs of the mixed state that drew them, which decoupled PPO corrects for; README: Rebuilding or keeping the KV after a weight update).", choices=("rebuild", "keep"))
     chunk_tokens: int = opt(8, "Decode steps between looks at the pipe (the interrupt granularity).", ge=1)
     dtype: str = opt("float32", "float32 | bfloat16 weights for generation.", choices=("float32", "bfloat16"))
     quantize: str = opt("off", "off | int8: generation multiplies in int8 (CPU only; rows and weight channels scaled, a Hadamard rotation against outlier channels; areal_aio/workers/rollout/int8.py). The trainer keeps float32; decoupled PPO corrects for the difference, reported per step as mismatch_kl. Held-out evals run on the rollout worker, so they measure the int8 policy (README: int8 rollout).", choices=("off", "int8"))
@@ -416,7 +416,7 @@ class Settings:
                                     "LoRA layers stay in float)")
         if self.rollout.kv_on_update == "keep" and not self.rollout.interrupt:
             raise SettingsError("rollout.kv_on_update: keep changes what an interrupt does, and rollout.interrupt "
-                                "is off (run.mode = sync presets it off: rows finish on the weights they began with)")
+                                "is off (run.mode = sync and one_step preset it off: rows finish on the weights they began with)")
         if self.lora.rank and importlib.util.find_spec("peft") is None:
             raise SettingsError("lora.rank: LoRA needs the peft package: pip install peft")
 

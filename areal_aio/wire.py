@@ -151,7 +151,7 @@ class Completion:
     logprobs: list[float]  # log-prob of each token under the distribution it was sampled from
     versions: list[int]
     text: str
-    finish: str  # "stop" (EOS) | "length" | "abort"
+    finish: str  # "stop" (EOS or a stop string) | "length" | "abort"
     interrupts: int  # weight loads this sequence lived through
     gen_s: float  # admission to finish, seconds
 

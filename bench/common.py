@@ -38,6 +38,10 @@ TINY_BATCH = ("model.path=embedded:tiny-random", "rollout.group_size=4", "traine
 IGNORED_FOR_RESUME = {("run", "progress"), ("run", "report_to"), ("run", "log_completions_every")}
 """Settings that do not change a run's results: a finished cell is reused whatever they are."""
 
+ADDED_KEYS = {("rollout", "kv_on_update"): "rebuild"}
+"""Settings added after grid runs were saved, with what every run did before the key existed
+(not today's default, which may change): a saved run without the key is reused for that value."""
+
 RunFn = Callable[[Settings, Path], Awaitable[dict]]
 
 
@@ -71,16 +75,15 @@ def finished_summary(folder: Path, settings: Settings) -> dict | None:
 
 def _comparable(tree: dict, saved: dict | None = None) -> dict:
     """`tree` without the keys resume ignores; given the `saved` settings of an earlier run, also
-    without the keys it lacks that hold their default here: a run made before a setting existed
-    ran as its default does, and stays reusable after a release adds the setting."""
-    defaults = Settings().to_dict()
+    without the keys of ADDED_KEYS it lacks whose value here is what runs did before the key
+    existed: such a run stays reusable after a release adds a setting."""
 
     def kept(section: str, key: str, value: Any) -> bool:
         if (section, key) in IGNORED_FOR_RESUME:
             return False
-        if saved is None or key in saved.get(section, {}):
+        if saved is None or key in saved.get(section, {}) or (section, key) not in ADDED_KEYS:
             return True
-        return value != defaults.get(section, {}).get(key, object())
+        return value != ADDED_KEYS[section, key]
 
     return {section: {k: v for k, v in values.items() if kept(section, k, v)}
             for section, values in tree.items()}

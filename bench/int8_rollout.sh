@@ -11,7 +11,8 @@
 # file), int8 (areal with rollout.quantize = int8), sync-int8 (sync with it), keep (areal with
 # rollout.kv_on_update = keep: no KV rebuild after a load), int8-keep (both). OUT/int8_rollout.json gathers per seed the time
 # and first eval step at each level, the final pass rate, the mean mismatch_kl (behaviour vs the
-# trainer's float32 log-probs of a version's own tokens), tokens generated per second and both
+# trainer's float32 log-probs of a version's own tokens), the mean over steps of a batch's mean
+# staleness, tokens generated per second and both
 # workers' idle shares; per arm the medians over the seeds that reached each level (README: int8
 # rollout; Time to threshold).
 set -euo pipefail
@@ -56,12 +57,14 @@ for arm in arms:
     mine = []
     for s, steps, row in arm_runs(out, arm, levels):
         kl = [r["mismatch_kl"] for r in steps if r.get("mismatch_kl") is not None]
+        stale = [r["staleness_mean"] for r in steps if r.get("staleness_mean") is not None]
         row.update(mismatch_kl_mean=statistics.mean(kl) if kl else None,
+                   staleness_mean=statistics.mean(stale) if stale else None,
                    gen_tokens_per_s=s["gen_tokens_per_s"])
         mine.append(row)
     runs += mine
     summary[arm] = arm_summary(mine, levels)
-    for key in ("mismatch_kl_mean", "gen_tokens_per_s", "trainer_idle_frac", "rollout_idle_frac", "final_pass"):
+    for key in ("mismatch_kl_mean", "staleness_mean", "gen_tokens_per_s", "trainer_idle_frac", "rollout_idle_frac", "final_pass"):
         summary[arm][f"median_{key}"] = median([r[key] for r in mine])
 for arm, row in summary.items():
     for base in ("sync", "areal", "sync-int8", "int8"):

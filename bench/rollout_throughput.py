@@ -318,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             # else the method timed first pays it alone
             if args.device.startswith("cuda"):
                 run_engine(model, tok, ids, max_new, args.max_batch)
+                run_engine(model, tok, ids, max_new, args.max_batch, (update_every, paths))  # rebuild shapes
                 run_generate(model, tok, ids[:args.max_batch], max_new, args.max_batch)
             else:
                 run_engine(model, tok, ids[:args.group], 4, args.max_batch)

@@ -104,6 +104,9 @@ def test_int_accepted_for_float_field():
     ({"task": {"name": "jsonl"}}, [], "task.path: required"),
     ({"run": "x"}, [], "run: must be a table"),
     ({}, ["run.mode"], "expected section.key=value"),
+    ({"run": {"mode": "sync"}}, ["rollout.kv_on_update=keep"], "rollout.kv_on_update: keep changes what an interrupt"),
+    ({"run": {"mode": "one_step"}}, ["rollout.kv_on_update=keep"], "rollout.interrupt is off"),
+    ({}, ["rollout.kv_on_update=reuse"], "rollout.kv_on_update: 'reuse' not allowed"),
 ])
 def test_bad_input_names_the_key(raw, sets, needle):
     with pytest.raises(SettingsError) as info:

@@ -14,6 +14,7 @@ MESSAGES = [
     wire.Generate("p1.1.0.1.3", "Calculate 1 + 2.", 64, 0.7, 1.0, seed=5, prefix="Step 1: 1 + 2 = 3\n"),
     wire.Generate("g1.0.r1", "Calculate 6 * 7.", 8, 0.7, 1.0, seed=9, context_ids=[1, 2, 5, 6],
                   append=[{"role": "tool", "content": "42"}]),
+    wire.Generate("g1.0.r0", "Calculate 6 * 7.", 8, 0.7, 1.0, seed=9, stop=["</calc>", "\n\n"]),
     wire.Abort("g1.0"),
     wire.UpdateWeights(3, "/dev/shm/x/v3.safetensors"),
     wire.WeightsLoaded(3, 0.05, 7),

@@ -186,8 +186,8 @@ class FakeRollout(_FakeWorker):
         self._requests[msg.request_id] = msg
         if self.instant:
             versions = [self.version] * min(self.tokens, self._limit(msg))
-            self._out.put_nowait(self._completion(msg.request_id, versions, self._finish(msg),
-                                                  self.answer(msg, self.version)))
+            text = self.answer(msg, self.version)
+            self._out.put_nowait(self._completion(msg.request_id, versions, self._finish(msg, text), text))
             self.log.append((time.perf_counter(), "done", msg.request_id))
             return
         self._running[msg.request_id] = asyncio.create_task(self._generate(msg))
@@ -216,9 +216,11 @@ class FakeRollout(_FakeWorker):
         """Seconds per token of this request (override for uneven timings)."""
         return self.token_delay_s
 
-    def _finish(self, msg: wire.Generate) -> str:
+    def _finish(self, msg: wire.Generate, text: str) -> str:
         """`tokens` is where the fake's reply ends (its EOS); max_new_tokens (or max_context) can
-        cut it first."""
+        cut it first, unless a stop string did (the text holds one)."""
+        if msg.stop and any(s in text for s in msg.stop):
+            return "stop"
         return "length" if self._limit(msg) <= self.tokens else "stop"
 
     def _limit(self, msg: wire.Generate) -> int:
@@ -242,7 +244,7 @@ class FakeRollout(_FakeWorker):
         text = self.answer(msg, versions[-1]) if versions else ""  # no room left: an empty reply
         self._running.pop(msg.request_id, None)
         del self._progress[msg.request_id]
-        await self._out.put(self._completion(msg.request_id, versions, self._finish(msg), text))
+        await self._out.put(self._completion(msg.request_id, versions, self._finish(msg, text), text))
         self.log.append((time.perf_counter(), "done", msg.request_id))
         if not self.interrupt and not self._running:
             await self._load()

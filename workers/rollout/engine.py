@@ -507,9 +507,10 @@ class Engine:
 
     def _stopped(self, seq: _Seq) -> bool:
         """Whether the last token completed one of the request's stop strings: it is in the text
-        of the last few tokens (enough for the longest string; a token that is only part of a
-        character decodes to no full one, hence the spare) and was not before that token."""
-        window = max(map(len, seq.req.stop)) + STOP_SPARE_TOKENS
+        of the last few tokens and was not before that token. The window holds as many tokens as
+        the longest string has UTF-8 bytes (a token is at least one byte), plus a spare. The
+        text is decoded without special tokens: a special token's own text never matches."""
+        window = max(len(s.encode()) for s in seq.req.stop) + STOP_SPARE_TOKENS
         tail = self.tokenizer.decode(seq.completion[-window:], skip_special_tokens=True)
         before = self.tokenizer.decode(seq.completion[-window:-1], skip_special_tokens=True)
         return any(s in tail and s not in before for s in seq.req.stop)

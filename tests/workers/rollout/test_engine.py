@@ -310,21 +310,25 @@ def test_keep_kv_update_decodes_on_over_the_old_weights_kv(tiny, tmp_path):
     assert out["r2"].logprobs == pytest.approx(_reference_logprobs(v1, out["r2"], 0.8, 0.95), abs=1e-4)
 
 
-def test_a_stop_string_ends_the_row_at_the_token_that_completes_it(tiny):
-    """The stop string is what the greedy reply writes from its 4th token on: the reply with it
-    ends at the first token whose text completes it (kept), its batch mate runs on."""
+@pytest.mark.parametrize("look_every_step", [True, False])
+def test_a_stop_string_ends_the_row_at_the_token_that_completes_it(tiny, look_every_step):
+    """The stop string is a piece of what the free reply writes from its 5th token on, across
+    token boundaries: the reply with it ends at the first token whose text completes it (kept),
+    whether the host looks every step or once per chunk; its batch mate runs on."""
     model, tok = tiny
     prompt = encode_prompt(tok, PROMPTS[0])
-    engine = Engine(model, tok, max_batch=2, seed=1)
-    engine.add(Request("free", prompt, 16, 0.0))
+    engine = Engine(model, tok, max_batch=2, seed=1, look_every_step=look_every_step)
+    engine.add(Request("free", prompt, 24, 1.0, seed=5))
     full = _drain(engine)["free"].completion_ids
-    stop = tok.decode(full[3:6], skip_special_tokens=True)[:6]
-    assert stop
+    assert len(set(full[4:8])) > 1  # distinct tokens: the string spans several
+    stop = tok.decode(full[4:8], skip_special_tokens=True)[1:-1]
     end = next(k for k in range(1, len(full) + 1) if stop in tok.decode(full[:k], skip_special_tokens=True))
-    assert end < len(full)
-    engine.add(Request("stop", prompt, 16, 0.0, stop=("never written", stop)))
-    engine.add(Request("mate", prompt, 16, 0.0))
-    out = _drain(engine)
+    assert 5 < end < len(full)
+    engine.add(Request("stop", prompt, 24, 1.0, seed=5, stop=("never written", stop)))
+    engine.add(Request("mate", prompt, 24, 1.0, seed=5))
+    out = {}
+    while engine.busy:
+        out.update((c.request_id, c) for c in engine.advance(8)[1])
     assert out["stop"].completion_ids == full[:end] and out["stop"].finish == "stop"
     assert stop in out["stop"].text and out["mate"].completion_ids == full
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The code-with-feedback episode against one reply: HumanEval's 164 problems, greedy, the model
+# shown why its program failed (the first failing test's reason, never the expected values) and
+# asked again, up to TURNS replies. The episode's first reply is the one-reply eval's reply (same
+# prompt, greedy), so one run gives both: pass after reply 1, after reply 2, ... (README:
+# Multi-turn episodes and tools; bench/results/cpu/code_feedback.json).
+#
+#     bash bench/code_feedback.sh [OUT] [TURNS]   # default bench/out/code-feedback, 3
+#     MODEL=embedded:tiny-random EXTRA="--set task.eval_size=4 --set rollout.max_new_tokens=16" \
+#         bash bench/code_feedback.sh OUT 2       # a smoke run
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-bench/out/code-feedback}"
+TURNS="${2:-3}"
+MODEL="${MODEL:-embedded:smollm2-135m-instruct}"
+EXTRA="${EXTRA:-}"
+MAX_NEW="${MAX_NEW:-384}"
+# shellcheck disable=SC2086
+python -m areal_aio eval "$MODEL" --set task.name=humaneval --set rollout.max_new_tokens="$MAX_NEW" \
+    --set controller.reward_timeout_s=15 --set rollout.threads=2 \
+    --set task.episode=areal_aio.tasks.code_feedback:episode --set task.episode_turns="$TURNS" \
+    --set task.episode_tokens=$((TURNS * (MAX_NEW + 128))) --set task.episode_timeout_s=7200 \
+    $EXTRA --out "$OUT/eval.json"
+python - "$OUT" "$TURNS" "$MODEL" "$MAX_NEW" <<'PY'
+import json, sys
+from pathlib import Path
+
+out, turns, model, max_new = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+ev = json.loads((out / "eval.json").read_text())
+rows = ev["samples"]
+replies = [sum(t["role"] == "assistant" for t in r.get("turns", [])) or 1 for r in rows]
+passed = [bool(r["pass"]) for r in rows]
+n = len(rows)
+by_reply = {k: sum(p and m <= k for p, m in zip(passed, replies)) for k in range(1, turns + 1)}
+summary = {
+    "command": f"bash bench/code_feedback.sh OUT {turns}", "model": model, "problems": n,
+    "max_new_tokens": int(max_new), "turns": turns, "seconds": ev["seconds"],
+    "episode_failures": ev.get("episode_failures"),
+    "passed_by_reply": by_reply, "pass_rate_by_reply": {k: round(v / n, 4) for k, v in by_reply.items()},
+    "replies_mean": round(sum(replies) / n, 3),
+    "tokens_per_episode_mean": round(sum(r["tokens"] for r in rows) / n, 1),
+    "passed_ids": [r["task_id"] for r, p in zip(rows, passed) if p],
+}
+(out / "code_feedback.json").write_text(json.dumps(summary, indent=1))
+print(json.dumps(summary, indent=1))
+PY
