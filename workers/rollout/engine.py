@@ -29,6 +29,7 @@ has looked: each row's completion ends with its pending token.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -263,6 +264,7 @@ class Engine:
         (rollout.kv_on_update = keep; see update_weights)."""
         self.model = model
         self.keep_kv = keep_kv
+        self.cache_kw = _cache_keyword(model)
         self.load = load
         self.tokenizer = tokenizer
         self.max_batch = max_batch
@@ -349,7 +351,7 @@ class Engine:
         """One decode step of every row, all on the device: feed the pending tokens, draw the next."""
         b.mask = torch.cat([b.mask, b.mask.new_ones(len(b), 1)], dim=1)
         out = self.model(input_ids=b.pending[:, None], attention_mask=self._decode_mask(b),
-                         position_ids=b.pos[:, None], past_key_values=b.cache, use_cache=True,
+                         position_ids=b.pos[:, None], **{self.cache_kw: b.cache}, use_cache=True,
                          logits_to_keep=1)
         b.pos = b.pos + 1
         self._draw(b, out.logits[:, -1])
@@ -420,7 +422,7 @@ class Engine:
             mask = torch.cat([mask, tail_mask], dim=1)
             positions = (mask.cumsum(1) - 1).clamp(min=0)[:, -width:]
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                             position_ids=positions.to(self.device), past_key_values=cache,
+                             position_ids=positions.to(self.device), **{self.cache_kw: cache},
                              use_cache=True, logits_to_keep=1)
             has_tail = torch.tensor([bool(t) for t in tails], device=self.device)
             logits = torch.where(has_tail[:, None], out.logits[:, -1], logits)
@@ -457,7 +459,7 @@ class Engine:
         positions = (mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=positions.to(self.device), past_key_values=cache,
+                         position_ids=positions.to(self.device), **{self.cache_kw: cache},
                          use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1]
         return [_Prefix(keys=[layer.keys[i:i + 1, :, length - len(row):] for layer in cache.layers],
@@ -603,6 +605,13 @@ def _tail_buckets(seqs: list[_Seq]) -> list[list[_Seq]]:
         groups.append(seqs[cut[j]:j])
         j = cut[j]
     return groups[::-1]
+
+
+def _cache_keyword(model: Any) -> str:
+    """The forward argument that takes the KV cache: `cache` in transformers releases that
+    renamed it (5.24 warns that `past_key_values` goes in 5.40), `past_key_values` before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft passes kwargs on
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:

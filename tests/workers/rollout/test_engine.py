@@ -300,7 +300,7 @@ def test_keep_kv_update_decodes_on_over_the_old_weights_kv(tiny, tmp_path):
         prompt = torch.tensor([c.prompt_ids + c.completion_ids[:k - 1]])
         with torch.no_grad():  # old KV up to the pending token, then the new weights
             past = v0(prompt, use_cache=True).past_key_values
-            logits = v1(torch.tensor([c.completion_ids[k - 1:-1]]), past_key_values=past).logits[0]
+            logits = v1(torch.tensor([c.completion_ids[k - 1:-1]]), **{engine.cache_kw: past}).logits[0]
         logp = torch.log_softmax(TopPLogitsWarper(0.95)(None, TemperatureLogitsWarper(0.8)(None, logits)), -1)
         expected = logp.gather(1, torch.tensor(c.completion_ids[k:])[:, None])[:, 0].tolist()
         assert c.logprobs[k:] == pytest.approx(expected, abs=1e-4)
