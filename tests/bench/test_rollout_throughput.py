@@ -39,7 +39,8 @@ def test_quick_bench_writes_results_and_plot(tmp_path):
 @pytest.mark.slow
 def test_a_model_folder_with_random_weights_and_a_chosen_method(tmp_path):
     """--random-weights: a folder's config and tokenizer, weights drawn (what travels to a GPU
-    machine the model cannot reach); --only runs the methods named, static generate included."""
+    machine the model cannot reach); --only runs the methods named, in the bench's order, and
+    refuses a name it does not know."""
     from areal_aio.workers.models import TINY, load_model
 
     model, tok = load_model(TINY)

@@ -508,14 +508,15 @@ class Engine:
         return done
 
     def _stopped(self, seq: _Seq) -> bool:
-        """Whether the last token completed one of the request's stop strings: it is in the text
-        of the last few tokens and was not before that token. The window holds as many tokens as
-        the longest string has UTF-8 bytes (a token is at least one byte), plus a spare. The
-        text is decoded without special tokens: a special token's own text never matches."""
+        """Whether the last token completed one of the request's stop strings: one is in the text
+        of the last few tokens. Every token is checked as it is appended, so an occurrence that
+        ended before the last token would have ended the row there: one decode per token. The
+        window holds as many tokens as the longest string has UTF-8 bytes (a token is at least
+        one byte), plus a spare. The text is decoded without special tokens: a special token's
+        own text never matches."""
         window = max(len(s.encode()) for s in seq.req.stop) + STOP_SPARE_TOKENS
         tail = self.tokenizer.decode(seq.completion[-window:], skip_special_tokens=True)
-        before = self.tokenizer.decode(seq.completion[-window:-1], skip_special_tokens=True)
-        return any(s in tail and s not in before for s in seq.req.stop)
+        return any(s in tail for s in seq.req.stop)
 
     def _sample(self, logits: torch.Tensor, b: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(token [B], its log-prob [B] under the distribution it was drawn from).
@@ -552,9 +553,9 @@ class Engine:
         With `keep_kv` nothing is rebuilt: the running rows decode on over the keys and values
         the old weights computed, their pending token (drawn under the old weights) fed next.
         The tokens they draw from then on carry `version` and their log-probs are those of the
-        mixed state that drew them, which is what decoupled PPO's behaviour policy is; the
-        trainer's recomputation under one version differs from it more than after a rebuild
-        (mismatch_kl shows by how much).
+        mixed state that drew them, which is what decoupled PPO's behaviour policy is. The
+        trainer recomputes them under one version; mismatch_kl reports the difference (on the
+        default run it did not rise: README, "Rebuilding or keeping the KV").
         """
         load_s = self.load(self.model, path)
         self.version = version
