@@ -1,4 +1,4 @@
-"""What bench/loss_menu.sh and bench/int8_rollout.sh share: each arm is a time_to_threshold.py
+"""What bench/loss_menu.sh and bench/rollout_arms.sh share: each arm is a time_to_threshold.py
 grid folder; its runs are read into rows (time and first eval step at each pass level), and
 an arm's rows into medians over the seeds that reached each level."""
 
@@ -19,8 +19,11 @@ def first(curve: list[dict], level: float) -> tuple[float | None, int | None]:
 
 def runs(out: Path, arm: str, levels: list[float], pattern: str = "*-s*") -> Iterator[tuple[dict, list, dict]]:
     """(summary.json, steps.jsonl rows, row) of each run of `arm`, seed order; the row holds what
-    both scripts report, the caller adds its own columns."""
+    both scripts report, the caller adds its own columns. A run still going (no summary.json yet)
+    is left out."""
     for cell in sorted((out / arm / "runs").glob(pattern)):
+        if not (cell / "summary.json").exists():
+            continue
         s = json.loads((cell / "summary.json").read_text())
         steps = [json.loads(x) for x in (cell / "steps.jsonl").read_text().splitlines()] \
             if (cell / "steps.jsonl").exists() else []

@@ -7,9 +7,10 @@
 #     MAX_WALL_S=600 THRESHOLD=0.80 bash bench/loss_menu.sh OUT "0" "default dynamic gspo"
 #     EXTRA=--quick bash bench/loss_menu.sh OUT "0"   # a smoke run on tiny-random
 #
-# Last, OUT/loss_menu.json gathers the arms: per seed the time and first eval step at 0.70 and at
-# THRESHOLD, the final pass rate, the mean entropy of the last 5 steps and the skipped samples;
-# per arm the medians over the seeds that reached each (README, Loss and sampling options).
+# Last, bench/loss_menu_report.py gathers the arms into OUT/loss_menu.json and OUT/loss_menu.png:
+# per seed the time and first eval step at 0.70 and at THRESHOLD, the final pass rate, the mean
+# entropy of the last 5 steps, the skipped samples and the reward and entropy curves; per arm the
+# medians over the seeds that reached each (README, Loss and sampling options).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-bench/out/loss-menu}"
@@ -40,38 +41,5 @@ for seed in $SEEDS; do
             --max-wall-s "$MAX_WALL_S" $EXTRA $(sets "$arm") --out "$OUT/$arm"
     done
 done
-python - "$OUT" "$THRESHOLD" "$SEEDS" "$ARMS" "$MAX_WALL_S" <<'PY'
-import json, statistics, sys
-from pathlib import Path
-
-from bench.arms import arm_summary, runs as arm_runs
-
-out, top, seeds, arms = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3].split(), sys.argv[4].split()
-max_wall_s = float(sys.argv[5])
-levels = sorted({0.70, top})
-
-runs, summary = [], {}
-for arm in arms:
-    mine = []
-    for s, steps, row in arm_runs(out, arm, levels, "areal-*-s*"):
-        entropy = [r["entropy"] for r in steps[-5:] if r.get("entropy") is not None]
-        row.update(last_entropy=statistics.mean(entropy) if entropy else None,
-                   skipped_uniform=s.get("samples_skipped_uniform", 0))
-        mine.append(row)
-    runs += mine
-    summary[arm] = arm_summary(mine, levels)
-base = summary.get("default", {})
-for arm, row in summary.items():
-    if arm == "default":
-        continue
-    for level in levels:
-        key = f"median_s_{level:.2f}"
-        if base.get(key) and row.get(key):
-            row[f"vs_default_{level:.2f}"] = row[key] / base[key]
-(out / "loss_menu.json").write_text(json.dumps(
-    {"command": f'MAX_WALL_S={sys.argv[5]} THRESHOLD={sys.argv[2]} bash bench/loss_menu.sh OUT "{sys.argv[3]}" '
-                f'"{sys.argv[4]}"', "mode": "areal", "threshold": top, "max_wall_s": max_wall_s, "seeds": seeds,
-     "summary": summary, "runs": runs}, indent=1))
-print(json.dumps(summary, indent=1))
-print(f"wrote {out / 'loss_menu.json'}", file=sys.stderr)
-PY
+python bench/loss_menu_report.py "$OUT" --threshold "$THRESHOLD" --seeds "$SEEDS" --arms "$ARMS" \
+    --max-wall-s "$MAX_WALL_S"

@@ -63,9 +63,7 @@ from areal_aio.workers.models import (  # noqa: E402
     SMOLLM2,
     TINY,
     encode_prompt,
-    hf_folder,
     load_model,
-    load_tokenizer,
 )
 from areal_aio.workers.rollout import int8  # noqa: E402
 from areal_aio.workers.rollout.engine import Engine, Request  # noqa: E402
@@ -202,18 +200,6 @@ def run_hf_cb(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_batc
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "sequences": len(out)}
 
 
-def random_model(spec: str, dtype: str, device: str) -> tuple[Any, Any]:
-    """(model, tokenizer): `spec`'s config and tokenizer, the weights drawn at random (seed 0)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(hf_folder(spec))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).to(device).eval()
-    tok = load_tokenizer(spec)
-    model.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    return model, tok
-
-
 def perturbed_weights(model: Any, store: WeightStore) -> list[Path]:
     """Two published versions to alternate between: the model's own and a perturbed copy."""
     paths = [store.publish(model, 1)]
@@ -265,10 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    if args.random_weights:
-        model, tok = random_model(spec, args.dtype, args.device)
-    else:
-        model, tok = load_model(spec, seed=0, dtype=args.dtype, device=args.device)
+    model, tok = load_model(spec, seed=0, dtype=args.dtype, device=args.device, random_weights=args.random_weights)
     ids = prompts(tok, sequences, args.group)
     base = SHM_BASE if SHM_BASE.parent.is_dir() else Path(tempfile.gettempdir()) / "areal_aio_shm"
     store = WeightStore.create("bench-rollout", base=base)

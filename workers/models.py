@@ -236,10 +236,13 @@ def load_tokenizer(spec: str) -> Any:
     return AutoTokenizer.from_pretrained(str(local) if local else spec)
 
 
-def load_model(spec: str, *, seed: int = 0, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
-    """(model in eval mode on `device`, tokenizer). Same spec + seed -> same weights."""
+def load_model(spec: str, *, seed: int = 0, dtype: str = "float32", device: str = "cpu",
+               random_weights: bool = False) -> tuple[Any, Any]:
+    """(model in eval mode on `device`, tokenizer). Same spec + seed -> same weights.
+    random_weights: `spec`'s config and tokenizer with weights drawn from `seed` (a shape for
+    speed work on a machine its weights cannot reach; embedded:tiny-random always is)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
     torch_dtype = getattr(torch, dtype)
     if is_adapter(spec):  # base + adapter, merged: a plain model from here on
@@ -248,10 +251,10 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32", device: str 
         merge_saved(model, Path(spec))
         return model, load_tokenizer(spec)
     tok = load_tokenizer(spec)
-    if spec == TINY:
-        config = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                             **TINY_CONFIG)
+    if spec == TINY or random_weights:
+        config = AutoConfig.from_pretrained(hf_folder(spec)) if spec != TINY else LlamaConfig(
+            vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id, **TINY_CONFIG)
         rng_state = torch.random.get_rng_state()
         torch.manual_seed(seed)
         try:

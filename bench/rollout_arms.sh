@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
-# int8 generation against float32, and areal against an honest sync, on the default run: time and
-# steps to 0.70 and to THRESHOLD held-out pass, each arm a time_to_threshold.py grid (finished cells
-# are reused). Arms go one after another, seed by seed, so a drift of the machine's load falls on all.
+# The rollout-side arms on the default run (int8 generation against float32, the KV kept over a
+# weight update against rebuilt, areal against an honest sync): time and steps to 0.70 and to
+# THRESHOLD held-out pass, each arm a time_to_threshold.py grid (finished cells are reused). Arms go
+# one after another, seed by seed, so a drift of the machine's load falls on all.
 #
-#     bash bench/int8_rollout.sh [OUT] [SEEDS] [ARMS]   # default bench/out/int8-rollout, "0 1 2", "sync areal int8"
-#     MAX_WALL_S=600 THRESHOLD=0.75 bash bench/int8_rollout.sh OUT "0 1 2"
-#     EXTRA=--quick bash bench/int8_rollout.sh OUT "0"   # a smoke run on tiny-random
+#     bash bench/rollout_arms.sh [OUT] [SEEDS] [ARMS]   # default bench/out/rollout-arms, "0 1 2", "sync areal int8"
+#     MAX_WALL_S=600 THRESHOLD=0.75 bash bench/rollout_arms.sh OUT "0 1 2"
+#     EXTRA=--quick bash bench/rollout_arms.sh OUT "0"   # a smoke run on tiny-random
 #
 # Arms: sync (run.mode = sync: the workers take turns, each with every core), areal (the default
 # file), int8 (areal with rollout.quantize = int8), sync-int8 (sync with it), keep (areal with
-# rollout.kv_on_update = keep: no KV rebuild after a load), int8-keep (both). OUT/int8_rollout.json gathers per seed the time
-# and first eval step at each level, the final pass rate, the mean mismatch_kl (behaviour vs the
-# trainer's float32 log-probs of a version's own tokens), the mean over steps of a batch's mean
-# staleness, tokens generated per second and both
+# rollout.kv_on_update = keep: no KV rebuild after a load), int8-keep (both).
+# OUT/rollout_arms.json gathers per seed the time and first eval step at each level, the final pass
+# rate, the mean mismatch_kl (behaviour vs the trainer's float32 log-probs of a version's own
+# tokens), the mean over steps of a batch's mean staleness, tokens generated per second and both
 # workers' idle shares; per arm the medians over the seeds that reached each level (README: int8
 # rollout; Time to threshold).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT="${1:-bench/out/int8-rollout}"
+OUT="${1:-bench/out/rollout-arms}"
 SEEDS="${2:-0 1 2}"
 ARMS="${3:-sync areal int8}"
 MAX_WALL_S="${MAX_WALL_S:-600}"
@@ -74,10 +75,10 @@ for arm, row in summary.items():
             key = f"median_s_{level:.2f}"
             if summary[base].get(key) and row.get(key):
                 row[f"speedup_vs_{base}_{level:.2f}"] = summary[base][key] / row[key]
-(out / "int8_rollout.json").write_text(json.dumps(
-    {"command": f'MAX_WALL_S={sys.argv[5]} THRESHOLD={sys.argv[2]} bash bench/int8_rollout.sh OUT '
+(out / "rollout_arms.json").write_text(json.dumps(
+    {"command": f'MAX_WALL_S={sys.argv[5]} THRESHOLD={sys.argv[2]} bash bench/rollout_arms.sh OUT '
                 f'"{sys.argv[3]}" "{sys.argv[4]}"', "threshold": top, "max_wall_s": float(sys.argv[5]),
      "seeds": seeds, "summary": summary, "runs": runs}, indent=1))
 print(json.dumps(summary, indent=1))
-print(f"wrote {out / 'int8_rollout.json'}", file=sys.stderr)
+print(f"wrote {out / 'rollout_arms.json'}", file=sys.stderr)
 PY

@@ -1,0 +1,137 @@
+"""The report of bench/loss_menu.sh: its arms' runs gathered into OUT/loss_menu.json and OUT/loss_menu.png.
+
+    python bench/loss_menu_report.py OUT [--threshold 0.80] [--seeds "0 1 2"] [--arms "default dynamic ..."]
+        [--max-wall-s 1200]
+
+Per run: the wall seconds and the first eval step at 0.70 and at --threshold held-out pass (None
+where the run ended first), the final pass rate, the mean entropy of its last 5 steps, the
+samples dynamic sampling skipped, and its curves (held-out pass per eval; training reward and
+entropy per step). Per arm: the medians over the seeds that reached each level, and each median
+against the default's (`vs_default_<level>`, below 1 is faster). The figure draws the same:
+held-out pass against wall time, each seed's time to each level with the arm's median, and
+the training reward and entropy per step averaged over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+
+from bench.arms import arm_summary  # noqa: E402
+from bench.arms import runs as arm_runs  # noqa: E402
+from bench.common import pyplot, save_figure  # noqa: E402
+
+ARMS = "default dynamic sequence drgrpo gspo cispo entropy overlong"
+LAST = 5
+"""Steps at the end of a run whose entropy is averaged (last_entropy)."""
+SMOOTH = 5
+"""Steps in the running mean of the training-reward and entropy curves."""
+
+
+def gather(out: Path, arms: list[str], levels: list[float]) -> tuple[list[dict], dict[str, dict]]:
+    """Every run's row and every arm's summary (medians, and against the default's)."""
+    rows, summary = [], {}
+    for arm in arms:
+        mine = []
+        for s, steps, row in arm_runs(out, arm, levels, "areal-*-s*"):
+            entropy = [r["entropy"] for r in steps[-LAST:] if r.get("entropy") is not None]
+            row.update(last_entropy=statistics.mean(entropy) if entropy else None,
+                       skipped_uniform=s.get("samples_skipped_uniform", 0),
+                       step_curve=[{"step": r["step"], "wall_s": r["wall_s"], "reward_mean": r["reward_mean"],
+                                    "entropy": r.get("entropy")} for r in steps])
+            mine.append(row)
+        rows += mine
+        summary[arm] = arm_summary(mine, levels)
+    base = summary.get("default", {})
+    for arm, row in summary.items():
+        for level in levels if arm != "default" else ():
+            key = f"median_s_{level:.2f}"
+            if base.get(key) and row.get(key):
+                row[f"vs_default_{level:.2f}"] = row[key] / base[key]
+    return rows, summary
+
+
+def running_mean(values: list[float], window: int = SMOOTH) -> list[float]:
+    return [statistics.mean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+
+
+def per_step_mean(runs: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """The mean of `key` over an arm's seeds at each step all of them made."""
+    curves = [{p["step"]: p[key] for p in r["step_curve"] if p.get(key) is not None} for r in runs]
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    return steps, [statistics.mean(c[s] for c in curves) for s in steps]
+
+
+def plot(rows: list[dict], arms: list[str], levels: list[float], max_wall_s: float, path: Path) -> None:
+    plt = pyplot()
+    colors = {arm: plt.get_cmap("tab10")(i % 10) for i, arm in enumerate(arms)}
+    fig, ((pass_ax, time_ax), (reward_ax, entropy_ax)) = plt.subplots(2, 2, figsize=(12, 8))
+    for r in rows:
+        curve = r["eval_curve"]
+        pass_ax.step([e["wall_s"] for e in curve], [e["pass_rate"] for e in curve], where="post",
+                     color=colors[r["arm"]], alpha=0.7, label=r["arm"])
+    for level in levels:
+        pass_ax.axhline(level, color="grey", linestyle=":", linewidth=0.8)
+    handles = {h.get_label(): h for h in pass_ax.get_lines() if not h.get_label().startswith("_")}
+    pass_ax.legend(handles.values(), handles.keys(), fontsize=8)
+    pass_ax.set(xlabel="wall s", ylabel="held-out pass (greedy, 64 prompts)", title="held-out pass, each seed")
+
+    width = 0.8 / len(levels)
+    for j, level in enumerate(levels):
+        for i, arm in enumerate(arms):
+            x = i + (j - (len(levels) - 1) / 2) * width
+            times = [r[f"time_to_{level:.2f}_s"] for r in rows if r["arm"] == arm]
+            reached = [t for t in times if t is not None]
+            if reached:
+                time_ax.bar(x, statistics.median(reached), width * 0.9, color=colors[arm], alpha=0.35 + 0.4 * j)
+            time_ax.scatter([x] * len(reached), reached, color="black", s=10, zorder=3)
+            missed = len(times) - len(reached)
+            time_ax.scatter([x] * missed, [max_wall_s] * missed, color="red", marker="x", s=20, zorder=3)
+    time_ax.set_xticks(range(len(arms)), arms, rotation=30, fontsize=8)
+    time_ax.set(ylabel="wall s", title=f"time to {' (light) and '.join(f'{lv:.2f}' for lv in levels)} (dark): "
+                                       "medians, dots: seeds, x: not reached")
+
+    for arm in arms:
+        mine = [r for r in rows if r["arm"] == arm]
+        for ax, key in ((reward_ax, "reward_mean"), (entropy_ax, "entropy")):
+            steps, means = per_step_mean(mine, key)
+            if steps:
+                ax.plot(steps, running_mean(means), color=colors[arm], label=arm)
+    reward_ax.set(xlabel="step", ylabel=f"training reward (mean over seeds, {SMOOTH}-step mean)",
+                  title="training reward")
+    entropy_ax.set(xlabel="step", ylabel=f"entropy (mean over seeds, {SMOOTH}-step mean)", title="policy entropy")
+    entropy_ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--threshold", type=float, default=0.80)
+    ap.add_argument("--seeds", default="0 1 2")
+    ap.add_argument("--arms", default=ARMS)
+    ap.add_argument("--max-wall-s", type=float, default=1200.0)
+    args = ap.parse_args()
+    arms, levels = args.arms.split(), sorted({0.70, args.threshold})
+    rows, summary = gather(args.out, arms, levels)
+    command = (f'MAX_WALL_S={args.max_wall_s:g} THRESHOLD={args.threshold:g} bash bench/loss_menu.sh OUT '
+               f'"{args.seeds}" "{args.arms}"')
+    data: dict[str, Any] = {"command": command, "mode": "areal", "threshold": args.threshold,
+                            "max_wall_s": args.max_wall_s, "seeds": args.seeds.split(), "summary": summary,
+                            "runs": rows}
+    (args.out / "loss_menu.json").write_text(json.dumps(data, indent=1))
+    if rows:
+        plot(rows, arms, levels, args.max_wall_s, args.out / "loss_menu.png")
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {args.out / 'loss_menu.json'} and loss_menu.png", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
