@@ -30,6 +30,7 @@ sets() {  # the settings of one arm (the others are the file's)
         cispo) echo "--set trainer.objective=cispo" ;;
         entropy) echo "--set trainer.entropy_coef=0.001" ;;
         overlong) echo "--set task.overlong_buffer=16" ;;
+        lr2x) echo "--set trainer.lr=2e-5" ;;  # not a menu option: the step size the options compete with
         *) echo "unknown arm $1" >&2; exit 2 ;;
     esac
 }
