@@ -5,9 +5,9 @@
 
 Per run: the wall seconds and the first eval step at 0.70 and at --threshold held-out pass (None
 where the run ended first), the final pass rate, the mean entropy of its last 5 steps, the
-samples dynamic sampling skipped, and its curves (held-out pass per eval; training reward and
-entropy per step). Per arm: the medians over the seeds that reached each level, and each median
-against the default's (`vs_default_<level>`, below 1 is faster). The figure draws the same:
+samples dynamic sampling skipped, and its curves (held-out pass per eval; per step the training
+reward, entropy, gradient norm, mean reply tokens and overlong penalty). Per arm: the medians
+over the seeds that reached each level, and each median against the default's (`vs_default_<level>`, below 1 is faster). The figure draws the same:
 held-out pass against wall time, each seed's time to each level with the arm's median, and
 the training reward and entropy per step averaged over seeds.
 """
@@ -45,13 +45,17 @@ def gather(out: Path, arms: list[str], levels: list[float]) -> tuple[list[dict],
             row.update(last_entropy=statistics.mean(entropy) if entropy else None,
                        skipped_uniform=s.get("samples_skipped_uniform", 0),
                        step_curve=[{"step": r["step"], "wall_s": r["wall_s"], "reward_mean": r["reward_mean"],
-                                    "entropy": r.get("entropy")} for r in steps])
+                                    "entropy": r.get("entropy"), "grad_norm": r.get("grad_norm"),
+                                    "reply_tokens": r["tokens"] / r["seqs"] if r.get("seqs") else None,
+                                    "overlong": r.get("reward/overlong")} for r in steps])
             mine.append(row)
         rows += mine
         summary[arm] = arm_summary(mine, levels)
     base = summary.get("default", {})
     for arm, row in summary.items():
-        for level in levels if arm != "default" else ():
+        if arm == "default":
+            continue
+        for level in levels:
             key = f"median_s_{level:.2f}"
             if base.get(key) and row.get(key):
                 row[f"vs_default_{level:.2f}"] = row[key] / base[key]

@@ -21,7 +21,8 @@ def write_run(out: Path, arm: str, seed: int, curve: list[tuple[int, float, floa
                "eval_curve": [{"step": s, "wall_s": w, "pass_rate": p} for s, w, p in curve]}
     (cell / "summary.json").write_text(json.dumps(summary))
     (cell / "steps.jsonl").write_text("".join(
-        json.dumps({"step": i + 1, "wall_s": 10.0 * (i + 1), "reward_mean": 0.1 * i, "entropy": e}) + "\n"
+        json.dumps({"step": i + 1, "wall_s": 10.0 * (i + 1), "reward_mean": 0.1 * i, "entropy": e,
+                    "tokens": 40, "seqs": 4, "grad_norm": 2.0}) + "\n"
         for i, e in enumerate(entropy)))
 
 
@@ -47,6 +48,8 @@ def test_the_report_gives_each_arm_its_medians_against_the_default_and_draws_the
     assert runs["default", 0]["last_entropy"] == pytest.approx(sum(entropy[-5:]) / 5)
     assert runs["dynamic", 1]["skipped_uniform"] == 24
     assert [p["entropy"] for p in runs["dynamic", 0]["step_curve"]] == entropy[:5]
+    assert all(p["reply_tokens"] == 10.0 and p["grad_norm"] == 2.0 and p["overlong"] is None
+               for p in runs["dynamic", 0]["step_curve"])
     assert data["command"] == 'MAX_WALL_S=300 THRESHOLD=0.8 bash bench/loss_menu.sh OUT "0 1" "default dynamic"'
     assert (tmp_path / "loss_menu.png").stat().st_size > 10_000
 
