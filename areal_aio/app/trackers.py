@@ -223,6 +223,8 @@ async def run_tracked(orchestrator: Orchestrator, names: Iterable[str] | None = 
         done, _ = await asyncio.wait({follower}, timeout=CLOSE_TIMEOUT_S)
         if not done:
             follower.cancel()
+            print(f"warning: trackers still writing after {CLOSE_TIMEOUT_S:.0f} s, stopped; "
+                  f"the run folder's rows are complete", file=sys.stderr)
         elif not follower.cancelled() and follower.exception() is not None:
             print(f"warning: trackers stopped, the run folder's rows are complete: "
                   f"{follower.exception()!r}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import orjson
@@ -120,6 +121,11 @@ async def test_wandb_offline_writes_inside_the_run_folder(tmp_path, monkeypatch)
     monkeypatch.setenv("WANDB_SILENT", "true")
     settings = make_settings("areal", **{"run.max_steps": 3, "run.report_to": ["wandb"]})
     summary = await run_tracked(orchestrator(tmp_path, settings))
+    import wandb
+
+    # finish() returns once wandb's service has the run's last record, not once its writer has
+    # flushed the file; teardown waits for the service to close its streams (the CLI's exit does too)
+    await asyncio.to_thread(wandb.teardown)
     files = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
     history = wandb_history(files[0])
