@@ -10,7 +10,8 @@
 #
 # Arms: sync (run.mode = sync: the workers take turns, each with every core), areal (the default
 # file), int8 (areal with rollout.quantize = int8), sync-int8 (sync with it), keep (areal with
-# rollout.kv_on_update = keep: no KV rebuild after a load), int8-keep (both).
+# rollout.kv_on_update = keep: no KV rebuild after a load), int8-keep (both); any arm with -etaN
+# appended runs at staleness bound N (areal's default is 4), as int8-keep-eta1.
 # OUT/rollout_arms.json gathers per seed the time and first eval step at each level, the final pass
 # rate, the mean mismatch_kl (behaviour vs the trainer's float32 log-probs of a version's own
 # tokens), the mean over steps of a batch's mean staleness, tokens generated per second and both
@@ -25,7 +26,11 @@ MAX_WALL_S="${MAX_WALL_S:-600}"
 THRESHOLD="${THRESHOLD:-0.75}"
 EXTRA="${EXTRA:-}"
 
-args() {  # the mode and settings of one arm
+args() {  # the mode and settings of one arm; a suffix -etaN also sets controller.max_staleness = N
+    if [[ "$1" =~ ^(.+)-eta([0-9]+)$ ]]; then
+        echo "$(args "${BASH_REMATCH[1]}") --set controller.max_staleness=${BASH_REMATCH[2]}"
+        return
+    fi
     case "$1" in
         sync) echo "--modes sync" ;;
         areal) echo "--modes areal" ;;
