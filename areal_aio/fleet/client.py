@@ -122,10 +122,15 @@ class PipeWorker:
     async def send_many(self, msgs: list[Any]) -> None:
         """Write several frames, then wait for the pipe once."""
         assert self.proc is not None and self.proc.stdin is not None
+        stdin = self.proc.stdin
         try:
-            self.proc.stdin.write(b"".join([wire.encode(msg) for msg in msgs]))
-            await self.proc.stdin.drain()
+            stdin.write(b"".join([wire.encode(msg) for msg in msgs]))
+            await stdin.drain()
         except (BrokenPipeError, ConnectionResetError):
+            raise await self.send_failure() from None
+        except RuntimeError:  # uvloop: a write after an earlier one found the pipe closed
+            if not stdin.is_closing():
+                raise
             raise await self.send_failure() from None
 
     async def send_failure(self) -> WorkerFailed:
