@@ -1,6 +1,7 @@
 """What bench/loss_menu.sh and bench/rollout_arms.sh share: each arm is a time_to_threshold.py
 grid folder; its runs are read into rows (time and first eval step at each pass level), and
-an arm's rows into medians over the seeds that reached each level."""
+an arm's rows into medians over the seeds that reached each level; and the two figure panels both
+reports draw (held-out pass against wall time, each arm's times to each level)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,36 @@ def arm_summary(rows: list[dict], levels: list[float]) -> dict[str, Any]:
         out[f"median_s_{level:.2f}"] = median(times)
         out[f"median_step_{level:.2f}"] = median([r[f"step_to_{level:.2f}"] for r in rows])
     return out
+
+
+def draw_pass(ax: Any, rows: list[dict], colors: dict[str, Any], levels: list[float]) -> None:
+    """Held-out pass against wall time, one line per run, coloured by arm; the levels dotted."""
+    for r in rows:
+        curve = r["eval_curve"]
+        ax.step([e["wall_s"] for e in curve], [e["pass_rate"] for e in curve], where="post",
+                color=colors[r["arm"]], alpha=0.7, label=r["arm"])
+    for level in levels:
+        ax.axhline(level, color="grey", linestyle=":", linewidth=0.8)
+    handles = {h.get_label(): h for h in ax.get_lines() if not h.get_label().startswith("_")}
+    ax.legend(handles.values(), handles.keys(), fontsize=8)
+    ax.set(xlabel="wall s", ylabel="held-out pass (greedy, 64 prompts)", title="held-out pass, each seed")
+
+
+def draw_times(ax: Any, rows: list[dict], arms: list[str], colors: dict[str, Any], levels: list[float],
+               max_wall_s: float) -> None:
+    """Per arm and level: the median time over the seeds that reached it (bar), each seed's (dot),
+    each seed that did not (a red x at the cap)."""
+    width = 0.8 / len(levels)
+    for j, level in enumerate(levels):
+        for i, arm in enumerate(arms):
+            x = i + (j - (len(levels) - 1) / 2) * width
+            times = [r[f"time_to_{level:.2f}_s"] for r in rows if r["arm"] == arm]
+            reached = [t for t in times if t is not None]
+            if reached:
+                ax.bar(x, statistics.median(reached), width * 0.9, color=colors[arm], alpha=0.35 + 0.4 * j)
+            ax.scatter([x] * len(reached), reached, color="black", s=10, zorder=3)
+            missed = len(times) - len(reached)
+            ax.scatter([x] * missed, [max_wall_s] * missed, color="red", marker="x", s=20, zorder=3)
+    ax.set_xticks(range(len(arms)), arms, rotation=30, fontsize=8)
+    ax.set(ylabel="wall s", title=f"to {' (light), '.join(f'{lv:.2f}' for lv in levels)} (dark): "
+                                  "median; dots seeds, x missed")

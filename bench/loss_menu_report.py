@@ -24,7 +24,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from bench.arms import arm_summary  # noqa: E402
+from bench.arms import arm_summary, draw_pass, draw_times  # noqa: E402
 from bench.arms import runs as arm_runs  # noqa: E402
 from bench.common import pyplot, save_figure  # noqa: E402
 
@@ -77,30 +77,8 @@ def plot(rows: list[dict], arms: list[str], levels: list[float], max_wall_s: flo
     plt = pyplot()
     colors = {arm: plt.get_cmap("tab10")(i % 10) for i, arm in enumerate(arms)}
     fig, ((pass_ax, time_ax), (reward_ax, entropy_ax)) = plt.subplots(2, 2, figsize=(12, 8))
-    for r in rows:
-        curve = r["eval_curve"]
-        pass_ax.step([e["wall_s"] for e in curve], [e["pass_rate"] for e in curve], where="post",
-                     color=colors[r["arm"]], alpha=0.7, label=r["arm"])
-    for level in levels:
-        pass_ax.axhline(level, color="grey", linestyle=":", linewidth=0.8)
-    handles = {h.get_label(): h for h in pass_ax.get_lines() if not h.get_label().startswith("_")}
-    pass_ax.legend(handles.values(), handles.keys(), fontsize=8)
-    pass_ax.set(xlabel="wall s", ylabel="held-out pass (greedy, 64 prompts)", title="held-out pass, each seed")
-
-    width = 0.8 / len(levels)
-    for j, level in enumerate(levels):
-        for i, arm in enumerate(arms):
-            x = i + (j - (len(levels) - 1) / 2) * width
-            times = [r[f"time_to_{level:.2f}_s"] for r in rows if r["arm"] == arm]
-            reached = [t for t in times if t is not None]
-            if reached:
-                time_ax.bar(x, statistics.median(reached), width * 0.9, color=colors[arm], alpha=0.35 + 0.4 * j)
-            time_ax.scatter([x] * len(reached), reached, color="black", s=10, zorder=3)
-            missed = len(times) - len(reached)
-            time_ax.scatter([x] * missed, [max_wall_s] * missed, color="red", marker="x", s=20, zorder=3)
-    time_ax.set_xticks(range(len(arms)), arms, rotation=30, fontsize=8)
-    time_ax.set(ylabel="wall s", title=f"time to {' (light) and '.join(f'{lv:.2f}' for lv in levels)} (dark): "
-                                       "medians, dots: seeds, x: not reached")
+    draw_pass(pass_ax, rows, colors, levels)
+    draw_times(time_ax, rows, arms, colors, levels, max_wall_s)
 
     for arm in arms:
         mine = [r for r in rows if r["arm"] == arm]

@@ -9,29 +9,22 @@ from pathlib import Path
 import pytest
 
 from bench import loss_menu_report
+from tests.bench.conftest import write_run
 
 
-def write_run(out: Path, arm: str, seed: int, curve: list[tuple[int, float, float]],
-              entropy: list[float], skipped: int = 0) -> None:
-    """A run folder as time_to_threshold.py leaves it: summary.json (its eval curve) and steps.jsonl."""
-    cell = out / arm / "runs" / f"areal-decoupled_ppo-s{seed}"
-    cell.mkdir(parents=True)
-    summary = {"seed": seed, "steps": len(entropy), "wall_s": curve[-1][1], "trainer_idle_frac": 0.4,
-               "rollout_idle_frac": 0.05, "samples_skipped_uniform": skipped,
-               "eval_curve": [{"step": s, "wall_s": w, "pass_rate": p} for s, w, p in curve]}
-    (cell / "summary.json").write_text(json.dumps(summary))
-    (cell / "steps.jsonl").write_text("".join(
-        json.dumps({"step": i + 1, "wall_s": 10.0 * (i + 1), "reward_mean": 0.1 * i, "entropy": e,
-                    "tokens": 40, "seqs": 4, "grad_norm": 2.0}) + "\n"
-        for i, e in enumerate(entropy)))
+def write_menu_run(out: Path, arm: str, seed: int, curve: list[tuple[int, float, float]],
+                   entropy: list[float], skipped: int = 0) -> None:
+    write_run(out, arm, seed, curve, [{"reward_mean": 0.1 * i, "entropy": e, "tokens": 40, "seqs": 4,
+                                       "grad_norm": 2.0} for i, e in enumerate(entropy)],
+              samples_skipped_uniform=skipped)
 
 
 def test_the_report_gives_each_arm_its_medians_against_the_default_and_draws_them(tmp_path, monkeypatch):
     entropy = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4]
-    write_run(tmp_path, "default", 0, [(0, 0.0, 0.5), (5, 100.0, 0.72), (10, 200.0, 0.81)], entropy)
-    write_run(tmp_path, "default", 1, [(0, 0.0, 0.5), (5, 120.0, 0.6), (10, 300.0, 0.7)], entropy)
-    write_run(tmp_path, "dynamic", 0, [(0, 0.0, 0.5), (5, 50.0, 0.85)], entropy[:5], skipped=40)
-    write_run(tmp_path, "dynamic", 1, [(0, 0.0, 0.5), (5, 70.0, 0.71)], entropy[:5], skipped=24)
+    write_menu_run(tmp_path, "default", 0, [(0, 0.0, 0.5), (5, 100.0, 0.72), (10, 200.0, 0.81)], entropy)
+    write_menu_run(tmp_path, "default", 1, [(0, 0.0, 0.5), (5, 120.0, 0.6), (10, 300.0, 0.7)], entropy)
+    write_menu_run(tmp_path, "dynamic", 0, [(0, 0.0, 0.5), (5, 50.0, 0.85)], entropy[:5], skipped=40)
+    write_menu_run(tmp_path, "dynamic", 1, [(0, 0.0, 0.5), (5, 70.0, 0.71)], entropy[:5], skipped=24)
     monkeypatch.setattr(sys, "argv", ["loss_menu_report.py", str(tmp_path), "--threshold", "0.8", "--seeds", "0 1",
                                       "--arms", "default dynamic", "--max-wall-s", "300"])
     loss_menu_report.main()

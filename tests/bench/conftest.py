@@ -1,0 +1,22 @@
+"""What the bench-report tests share: a time_to_threshold.py run folder written by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def write_run(out: Path, arm: str, seed: int, curve: list[tuple[int, float, float]], steps: list[dict[str, Any]],
+              cell: str = "areal-decoupled_ppo", **summary: Any) -> None:
+    """OUT/ARM/runs/CELL-sSEED as time_to_threshold.py leaves it: summary.json (its eval curve of
+    (step, wall s, pass rate), idle shares, and `summary`'s keys) and steps.jsonl (`steps`, one row
+    each, numbered from 1 every 10 s)."""
+    folder = out / arm / "runs" / f"{cell}-s{seed}"
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps(
+        {"seed": seed, "steps": len(steps), "wall_s": curve[-1][1], "trainer_idle_frac": 0.4,
+         "rollout_idle_frac": 0.05, "eval_curve": [{"step": s, "wall_s": w, "pass_rate": p} for s, w, p in curve],
+         **summary}))
+    (folder / "steps.jsonl").write_text("".join(
+        json.dumps({"step": i + 1, "wall_s": 10.0 * (i + 1), **row}) + "\n" for i, row in enumerate(steps)))
