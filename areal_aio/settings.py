@@ -218,7 +218,7 @@ class RolloutSettings:
     kv_on_update: str = opt("rebuild", "What an interrupt does to the rows in flight after loading new weights: rebuild (recompute their KV under the new weights, as AReaL does) | keep (decode on over the KV the old weights computed, as PipelineRL does: no rebuild pass; the tokens drawn after the load carry the new version and the log-probs of the mixed state that drew them, which decoupled PPO corrects for; README: Rebuilding or keeping the KV after a weight update).", choices=("rebuild", "keep"))
     chunk_tokens: int = opt(8, "Decode steps between looks at the pipe (the interrupt granularity).", ge=1)
     dtype: str = opt("float32", "float32 | bfloat16 weights for generation.", choices=("float32", "bfloat16"))
-    quantize: str = opt("off", "off | int8: generation multiplies in int8 (CPU only; rows and weight channels scaled, a Hadamard rotation against outlier channels; areal_aio/workers/rollout/int8.py). The trainer keeps float32; decoupled PPO corrects for the difference, reported per step as mismatch_kl. Held-out evals run on the rollout worker, so they measure the int8 policy (README: int8 rollout).", choices=("off", "int8"))
+    quantize: str = opt("auto", "auto | off | int8: generation multiplies in int8 (CPU only; rows and weight channels scaled, a Hadamard rotation against outlier channels; areal_aio/workers/rollout/int8.py). auto: int8 where every rollout worker is on the CPU, generates float32 and LoRA, if any, is merged; off elsewhere (a GPU, bfloat16). The trainer keeps float32; decoupled PPO corrects for the difference, reported per step as mismatch_kl. Held-out evals run on the rollout worker, so they measure the int8 policy (README: int8 rollout).", choices=("auto", "off", "int8"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,6 +435,16 @@ class Settings:
         if self.controller.max_in_flight:
             return self.controller.max_in_flight
         return UNBOUNDED_IN_FLIGHT_BATCHES * self.trainer.batch_size if math.isinf(self.eta) else 0
+
+    @property
+    def rollout_quantize(self) -> str:
+        """rollout.quantize in force, "int8" or "off": auto is int8 where every rollout worker is
+        on the CPU, generates float32, and LoRA, if any, is merged into each version."""
+        if self.rollout.quantize != "auto":
+            return self.rollout.quantize
+        cpu = all(dev.startswith("cpu") for dev in self.rollout_devices)
+        merged = not self.lora.rank or self.lora.merge
+        return "int8" if cpu and self.rollout.dtype == "float32" and merged else "off"
 
     @property
     def rollout_devices(self) -> list[str]:

@@ -7,6 +7,10 @@
 #     MAX_WALL_S=600 THRESHOLD=0.80 bash bench/loss_menu.sh OUT "0" "default dynamic gspo"
 #     EXTRA=--quick bash bench/loss_menu.sh OUT "0"   # a smoke run on tiny-random
 #
+# The arms run on the file's defaults, int8 generation on a CPU included (rollout.quantize =
+# auto); bench/results/cpu/loss_menu.json ran in float32, the default then:
+# EXTRA="--set rollout.quantize=off" repeats it.
+#
 # Last, bench/loss_menu_report.py gathers the arms into OUT/loss_menu.json and OUT/loss_menu.png:
 # per seed the time and first eval step at 0.70 and at THRESHOLD, the final pass rate, the mean
 # entropy of the last 5 steps, the skipped samples and the reward and entropy curves; per arm the

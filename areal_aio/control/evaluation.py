@@ -23,6 +23,7 @@ start, within the same bound (its row says which versions answered).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import time
@@ -197,7 +198,16 @@ def model_settings(model: str, settings_path: str | None,
 
     A run folder (settings.toml beside its rows) is scored by its model/ with its own settings
     unless a settings file is given; a run folder without model/ is a SettingsError naming it.
-    Anything else is a model spec (an HF folder, embedded:NAME, a hub id), checked by preflight."""
+    Anything else is a model spec (an HF folder, embedded:NAME, a hub id), checked by preflight.
+    The model is scored as saved: rollout.quantize = auto is off here (int8 only when named)."""
+    settings, spec, folder = _model_settings(model, settings_path, overrides)
+    if settings.rollout.quantize == "auto":
+        settings = dataclasses.replace(settings, rollout=dataclasses.replace(settings.rollout, quantize="off"))
+    return settings, spec, folder
+
+
+def _model_settings(model: str, settings_path: str | None,
+                    overrides: list[str]) -> tuple[Settings, str, Path | None]:
     folder = Path(model)
     if (folder / "settings.toml").is_file() and any((folder / name).exists() for name in RUN_MARKERS):
         spec = str(folder / "model")
@@ -328,7 +338,7 @@ async def evaluate_model(settings: Settings, out_file: Path) -> dict[str, Any]:
         await scorer.aclose()
     result = {"model": settings.model.path, **rates(scores), "n": len(eval_set),
               "eval_seed": settings.task.eval_seed, "max_new_tokens": settings.rollout.max_new_tokens,
-              **extra, **({"quantize": settings.rollout.quantize} if settings.rollout.quantize != "off" else {}),
+              **extra, **({"quantize": settings.rollout_quantize} if settings.rollout_quantize != "off" else {}),
               "seconds": round(time.perf_counter() - t0, 3),
               "samples": sample_rows(0, eval_set, completions, scores, turns)}
     out_file.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from areal_aio.control.evaluation import eval_rollout, greedy_completions
+from areal_aio.control.evaluation import eval_rollout, greedy_completions, model_settings
 from areal_aio.fleet.client import PipeWorker
 from areal_aio.fleet.fakes import FakeRollout, solving_policy
 from areal_aio.fleet.rollout_pool import RolloutPool
@@ -26,3 +26,15 @@ async def test_greedy_answers_spread_over_the_workers_and_come_back_in_task_orde
     assert [c.text for c in done] == [solving_policy(t.text, 0) for t in prompts]
     assert [sum(what == "generate" for _, what, _ in f.log) for f in fakes] == [3, 3]
     assert all(f.returncode == 0 for f in fakes)  # stopped
+
+
+def test_eval_scores_a_model_as_saved_unless_int8_is_named(tmp_path):
+    """A run generates in int8 on a CPU (quantize = auto); `eval MODEL` scores the float model."""
+    assert model_settings("embedded:tiny-random", None, [])[0].rollout_quantize == "off"
+    assert model_settings("embedded:tiny-random", None, ["rollout.quantize=int8"])[0].rollout_quantize == "int8"
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "config.json").write_text("{}")
+    (run / "steps.jsonl").write_text("")
+    (run / "settings.toml").write_text('[rollout]\nquantize = "auto"\n')
+    assert model_settings(str(run), None, [])[0].rollout.quantize == "off"

@@ -60,7 +60,7 @@ class RolloutWorker:
                                            device=self.device)
         # a LoRA run's versions are adapters, applied to this worker's own copy of the base
         load = lora.handoff(s.lora, s.model.path) if s.lora.rank else load_weights
-        if ro.quantize == "int8":  # generation in int8; each version requantized after its load
+        if s.rollout_quantize == "int8":  # generation in int8; each version requantized after its load
             load = int8.refreshing(load, int8.quantize(model))
         self.engine = Engine(model, self.tokenizer, max_batch=ro.max_batch, seed=s.run.seed, load=load,
                              keep_kv=ro.kv_on_update == "keep")

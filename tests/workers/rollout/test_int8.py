@@ -163,6 +163,21 @@ def test_settings_take_int8_on_cpu():
     assert build_settings({}, ("rollout.quantize=int8", "lora.rank=8")).rollout.quantize == "int8"
 
 
+@pytest.mark.parametrize(("overrides", "resolved"), [
+    ((), "int8"),  # the default: one rollout worker on the CPU, float32
+    (("rollout.devices=2",), "int8"),
+    (("lora.rank=8",), "int8"),  # merged by default: each version is merged, then requantized
+    (("rollout.device=cuda",), "off"),
+    (("rollout.devices=[\"cpu\", \"cuda:0\"]",), "off"),
+    (("rollout.dtype=bfloat16",), "off"),
+    (("lora.rank=8", "lora.merge=false"), "off"),
+    (("rollout.quantize=off",), "off"),
+    (("rollout.quantize=int8",), "int8"),
+])
+def test_auto_quantizes_where_int8_can_run_and_never_refuses(overrides, resolved):
+    assert build_settings({}, overrides).rollout_quantize == resolved
+
+
 def test_layers_reading_one_input_quantize_it_once_and_compute_the_same(tiny, monkeypatch):
     """q, k and v read one input, as do gate and up: it is rotated and rounded once for them."""
     model, tok = tiny

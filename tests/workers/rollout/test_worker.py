@@ -46,7 +46,8 @@ class WorkerProcess:
     """Synchronous test client: spawn the worker, write frames to stdin, read frames from stdout."""
 
     def __init__(self, tmp: Path, overrides: tuple[str, ...] = (), code: str | None = None) -> None:
-        self.settings = build_settings({}, (f"model.path={TINY}", "run.seed=3", *overrides))
+        # float32 generation unless a test asks for int8: most tests check log-probs against the float model
+        self.settings = build_settings({}, (f"model.path={TINY}", "run.seed=3", "rollout.quantize=off", *overrides))
         self.log = tmp / "rollout.log"
         argv = [sys.executable, "-c", code] if code else [sys.executable, "-m", "areal_aio.workers.rollout"]
         self.proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -439,7 +439,7 @@ def test_trainer_process_reports_a_wrong_version_as_error(workers, batch) -> Non
 
 @pytest.mark.slow
 def test_rollout_samples_train_with_zero_mismatch_and_v1_loads_back(workers) -> None:
-    s = settings("rollout.dtype=float32", "rollout.interrupt=false")
+    s = settings("rollout.dtype=float32", "rollout.quantize=off", "rollout.interrupt=false")
     rollout = workers("rollout", s)
     trainer = workers("trainer", s)
     for g, prompt in enumerate(PROMPTS):
