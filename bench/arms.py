@@ -5,6 +5,7 @@ reports draw (held-out pass against wall time, each arm's times to each level)."
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from collections.abc import Iterator
@@ -87,3 +88,24 @@ def draw_times(ax: Any, rows: list[dict], arms: list[str], colors: dict[str, Any
     ax.set_xticks(range(len(arms)), arms, rotation=30, fontsize=8)
     ax.set(ylabel="wall s", title=f"to {' (light), '.join(f'{lv:.2f}' for lv in levels)} (dark): "
                                   "median; dots seeds, x missed")
+
+
+def report_args(doc: str, arms: str, threshold: float, max_wall_s: float) -> argparse.Namespace:
+    """The command line both reports take: OUT, then the grid's --threshold, --seeds, --arms and
+    --max-wall-s as the grid's script ran them, and the levels read off the runs (0.70 and the
+    threshold)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--threshold", type=float, default=threshold)
+    ap.add_argument("--seeds", default="0 1 2")
+    ap.add_argument("--arms", default=arms)
+    ap.add_argument("--max-wall-s", type=float, default=max_wall_s)
+    args = ap.parse_args()
+    args.levels = sorted({0.70, args.threshold})
+    return args
+
+
+def grid_command(script: str, args: argparse.Namespace) -> str:
+    """The command that runs the grid `args` describes (the results file's `command`)."""
+    return (f'MAX_WALL_S={args.max_wall_s:g} THRESHOLD={args.threshold:g} bash bench/{script} OUT '
+            f'"{args.seeds}" "{args.arms}"')

@@ -14,7 +14,6 @@ the training reward and entropy per step averaged over seeds.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,7 +23,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from bench.arms import arm_summary, draw_pass, draw_times  # noqa: E402
+from bench.arms import arm_summary, draw_pass, draw_times, grid_command, report_args  # noqa: E402
 from bench.arms import runs as arm_runs  # noqa: E402
 from bench.common import pyplot, save_figure  # noqa: E402
 
@@ -94,20 +93,12 @@ def plot(rows: list[dict], arms: list[str], levels: list[float], max_wall_s: flo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--threshold", type=float, default=0.80)
-    ap.add_argument("--seeds", default="0 1 2")
-    ap.add_argument("--arms", default=ARMS)
-    ap.add_argument("--max-wall-s", type=float, default=1200.0)
-    args = ap.parse_args()
-    arms, levels = args.arms.split(), sorted({0.70, args.threshold})
+    args = report_args(__doc__, ARMS, 0.80, 1200.0)
+    arms, levels = args.arms.split(), args.levels
     rows, summary = gather(args.out, arms, levels)
-    command = (f'MAX_WALL_S={args.max_wall_s:g} THRESHOLD={args.threshold:g} bash bench/loss_menu.sh OUT '
-               f'"{args.seeds}" "{args.arms}"')
-    data: dict[str, Any] = {"command": command, "mode": "areal", "threshold": args.threshold,
-                            "max_wall_s": args.max_wall_s, "seeds": args.seeds.split(), "summary": summary,
-                            "runs": rows}
+    data: dict[str, Any] = {"command": grid_command("loss_menu.sh", args), "mode": "areal",
+                            "threshold": args.threshold, "max_wall_s": args.max_wall_s,
+                            "seeds": args.seeds.split(), "summary": summary, "runs": rows}
     (args.out / "loss_menu.json").write_text(json.dumps(data, indent=1))
     if rows:
         plot(rows, arms, levels, args.max_wall_s, args.out / "loss_menu.png")
