@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +110,13 @@ def grid_command(script: str, args: argparse.Namespace) -> str:
     """The command that runs the grid `args` describes (the results file's `command`)."""
     return (f'MAX_WALL_S={args.max_wall_s:g} THRESHOLD={args.threshold:g} bash bench/{script} OUT '
             f'"{args.seeds}" "{args.arms}"')
+
+
+def save_report(args: argparse.Namespace, name: str, data: dict[str, Any], rows: list[dict],
+                plot: Callable[[Path], None]) -> None:
+    """OUT/<name>.json (`data`), OUT/<name>.png (`plot(path)`, when there are runs), the summary on stdout."""
+    (args.out / f"{name}.json").write_text(json.dumps(data, indent=1))
+    if rows:
+        plot(args.out / f"{name}.png")
+    print(json.dumps(data["summary"], indent=1))
+    print(f"wrote {args.out / name}.json and {name}.png", file=sys.stderr)

@@ -14,7 +14,6 @@ the training reward and entropy per step averaged over seeds.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from bench.arms import arm_summary, draw_pass, draw_times, grid_command, report_args  # noqa: E402
+from bench.arms import arm_summary, draw_pass, draw_times, grid_command, report_args, save_report  # noqa: E402
 from bench.arms import runs as arm_runs  # noqa: E402
 from bench.common import pyplot, save_figure  # noqa: E402
 
@@ -99,11 +98,7 @@ def main() -> None:
     data: dict[str, Any] = {"command": grid_command("loss_menu.sh", args), "mode": "areal",
                             "threshold": args.threshold, "max_wall_s": args.max_wall_s,
                             "seeds": args.seeds.split(), "summary": summary, "runs": rows}
-    (args.out / "loss_menu.json").write_text(json.dumps(data, indent=1))
-    if rows:
-        plot(rows, arms, levels, args.max_wall_s, args.out / "loss_menu.png")
-    print(json.dumps(summary, indent=1))
-    print(f"wrote {args.out / 'loss_menu.json'} and loss_menu.png", file=sys.stderr)
+    save_report(args, "loss_menu", data, rows, lambda path: plot(rows, arms, levels, args.max_wall_s, path))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ wall time, and each seed's time to each level with the arm's median.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +22,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from bench.arms import arm_summary, draw_pass, draw_times, grid_command, median, report_args  # noqa: E402
+from bench.arms import (  # noqa: E402
+    arm_summary,
+    draw_pass,
+    draw_times,
+    grid_command,
+    median,
+    report_args,
+    save_report,
+)
 from bench.arms import runs as arm_runs  # noqa: E402
 from bench.common import pyplot, save_figure  # noqa: E402
 
@@ -79,11 +86,7 @@ def main() -> None:
     data: dict[str, Any] = {"command": grid_command("rollout_arms.sh", args), "threshold": args.threshold,
                             "max_wall_s": args.max_wall_s, "seeds": args.seeds.split(), "summary": summary,
                             "runs": rows}
-    (args.out / "rollout_arms.json").write_text(json.dumps(data, indent=1))
-    if rows:
-        plot(rows, arms, levels, args.max_wall_s, args.out / "rollout_arms.png")
-    print(json.dumps(summary, indent=1))
-    print(f"wrote {args.out / 'rollout_arms.json'} and rollout_arms.png", file=sys.stderr)
+    save_report(args, "rollout_arms", data, rows, lambda path: plot(rows, arms, levels, args.max_wall_s, path))
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32", device: str 
     random_weights: `spec`'s config and tokenizer with weights drawn from `seed` (a shape for
     speed work on a machine its weights cannot reach; embedded:tiny-random always is)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype)
     if is_adapter(spec):  # base + adapter, merged: a plain model from here on
@@ -252,9 +252,7 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32", device: str 
         return model, load_tokenizer(spec)
     tok = load_tokenizer(spec)
     if spec == TINY or random_weights:
-        config = AutoConfig.from_pretrained(hf_folder(spec)) if spec != TINY else LlamaConfig(
-            vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id, **TINY_CONFIG)
+        config = random_config(spec, tok)
         rng_state = torch.random.get_rng_state()
         torch.manual_seed(seed)
         try:
@@ -269,6 +267,17 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32", device: str 
     model.eval()
     model.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     return model, tok
+
+
+def random_config(spec: str, tok: Any) -> Any:
+    """The config a model of `spec` with random weights is built from: tiny-random's own, else
+    the config in `spec`'s folder."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if spec == TINY:
+        return LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id, **TINY_CONFIG)
+    return AutoConfig.from_pretrained(hf_folder(spec))
 
 
 def linear_paths(model: Any) -> list[str]:

@@ -123,14 +123,12 @@ class PipeWorker:
         """Write several frames, then wait for the pipe once."""
         assert self.proc is not None and self.proc.stdin is not None
         stdin = self.proc.stdin
+        if stdin.is_closing():  # an earlier write found the pipe closed (uvloop raises on another)
+            raise await self.send_failure()
         try:
             stdin.write(b"".join([wire.encode(msg) for msg in msgs]))
             await stdin.drain()
         except (BrokenPipeError, ConnectionResetError):
-            raise await self.send_failure() from None
-        except RuntimeError:  # uvloop: a write after an earlier one found the pipe closed
-            if not stdin.is_closing():
-                raise
             raise await self.send_failure() from None
 
     async def send_failure(self) -> WorkerFailed:

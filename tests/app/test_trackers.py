@@ -100,8 +100,6 @@ def wandb_history(path) -> list[dict]:
             pos += left
             continue
         _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if pos + 7 + n > len(data):
-            break  # a record still being written (wandb's writer is another process): not read
         payload += data[pos + 7:pos + 7 + n]
         pos += 7 + n
         if kind in (1, 4):
