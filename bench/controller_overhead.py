@@ -3,8 +3,10 @@
     python bench/controller_overhead.py [--steps 100] [--repeats 5] [--mode areal]
         [--profile] [--out DIR] [--quick]
 
-The Orchestrator runs in-process against `FakeRollout(tokens=4, instant=True)` (each request
-answered inside the send, no task or token loop) and `FakeTrainer(step_delay_s=0)`, so every
+The Orchestrator runs in-process against `FakeRollout(tokens=4, instant=True, record=False)`
+(each request answered inside the send, no task or token loop) and `FakeTrainer(step_delay_s=0,
+record=False)` (neither keeps what it was sent: a real worker keeps nothing in the controller's
+process, and records kept would make the garbage collector's walks the fakes' cost), so every
 second measured is the controller's own work (plus the fakes' small bookkeeping): dispatch, the built-in answer reward scored inline
 (controller.reward_procs = 0), the staleness filter, the replay buffer, batching, the run
 log rows. Batches are large (groups of 8, 256 samples per step) and eval is off but for one
@@ -81,7 +83,8 @@ async def one_run(settings: Settings, folder: Path) -> dict:
         shutil.rmtree(folder)
     tasks = task_list()
     orch = Orchestrator(settings, tasks=itertools.cycle(tasks), eval_set=tasks[:1], out_dir=folder,
-                        rollout=FakeRollout(tokens=4, instant=True), trainer=FakeTrainer(step_delay_s=0))
+                        rollout=FakeRollout(tokens=4, instant=True, record=False),
+                        trainer=FakeTrainer(step_delay_s=0, record=False))
     summary = await orch.run()
     summary["trajectories_per_s"] = summary["samples_accepted"] / summary["wall_s"]
     return summary

@@ -429,9 +429,9 @@ class Orchestrator:
         """One Generate per sample, written together (one pipe drain for a whole group)."""
         r = self.settings.rollout
         msgs = []
+        self._rollout_busy.up(len(samples))
         for sample in samples:
             self._requests[sample.request_id] = sample
-            self._rollout_busy.up()
             seed = sample_seed(self.settings.run.seed, sample.group_id, sample.index, sample.retries)
             msgs.append(wire.Generate(sample.request_id, sample.task.text, r.max_new_tokens,
                                       r.temperature, r.top_p, seed, sample.task.messages))
@@ -565,8 +565,7 @@ class Orchestrator:
             self.counts.restarts += 1
 
     async def _send_continuations(self, msgs: list[wire.Generate]) -> None:
-        for _ in msgs:
-            self._rollout_busy.up()
+        self._rollout_busy.up(len(msgs))
         await self.rollout.send_many(msgs)
 
     def _scored(self, sample: Sample, group: PendingGroup, score: Score) -> None:
@@ -626,8 +625,7 @@ class Orchestrator:
         """Give the admission slots back and record the drop."""
         self.admission.drop(len(samples))
         self.counts.dropped(len(samples), why)
-        for s in samples:
-            self.log.row("samples", stats.sample_row(s, dropped=why))
+        self.log.rows("samples", (stats.sample_row(s, dropped=why) for s in samples))
 
     # ------------------------------------------------------------------ training side
 
@@ -731,8 +729,8 @@ class Orchestrator:
         self.keeper.retain()
         self.counts.trained(sum(s.trained_tokens for s in samples), stale)
         self._max_trained_staleness = max(self._max_trained_staleness, *stale)
-        for s, st in zip(samples, stale, strict=True):
-            self.log.row("samples", stats.sample_row(s, staleness=st, step=self.step))
+        self.log.rows("samples", (stats.sample_row(s, staleness=st, step=self.step)
+                                  for s, st in zip(samples, stale, strict=True)))
         row = stats.step_row(self.step, self.version, wall, train_s, wait_s, samples, stale, self.counts,
                              trained, replay_groups=len(self.replay), in_flight=len(self._requests))
         if self._process.enabled:
@@ -854,8 +852,7 @@ class Orchestrator:
         row = {"step": step, "version": newest, "wall_s": round(self._commit_wall[newest], 3),
                "done_s": round(time.perf_counter() - self._t0, 3), **evaluation.rates(scores),
                "versions": [oldest, newest], **extra}
-        for sample_row in evaluation.sample_rows(step, self._eval_set, completions, scores, turns):
-            self.log.row("samples", sample_row)
+        self.log.rows("samples", evaluation.sample_rows(step, self._eval_set, completions, scores, turns))
         self.keeper.evaluated(row)  # a new best: exported by the train loop (or at the stop)
         self.eval_curve.append(row)
         self.log.events.info("eval", **row)

@@ -46,14 +46,12 @@ class ReplayBuffer:
         heapq.heappush(self._heap, (group.oldest_version, group.group_id, group))
 
     def drop_stale(self, version: int, eta: float) -> list[Group]:
-        """Remove and return every group whose staleness at `version` exceeds eta."""
-        keep, dropped = [], []
-        for item in self._heap:
-            (dropped if is_stale(version, item[0], eta) else keep).append(item)
-        if dropped:
-            heapq.heapify(keep)
-            self._heap = keep
-        return [item[2] for item in dropped]
+        """Remove and return (oldest first) every group whose staleness at `version` exceeds eta:
+        the heap's top is the stalest, so only the dropped ones are looked at."""
+        dropped = []
+        while self._heap and is_stale(version, self._heap[0][0], eta):
+            dropped.append(heapq.heappop(self._heap)[2])
+        return dropped
 
     def take(self, n_groups: int, version: int, eta: float) -> tuple[list[Group], list[Group]]:
         """(batch, dropped): the n oldest fresh groups, or an empty batch if fewer are ready.

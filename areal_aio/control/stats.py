@@ -123,11 +123,12 @@ class Busy:
         self._since = 0.0
         self._on_change = on_change
 
-    def up(self) -> None:
-        if self.active == 0:
+    def up(self, n: int = 1) -> None:
+        """`n` more pieces of work in hand."""
+        if n and self.active == 0:
             self._since = time.perf_counter()
             self._on_change(True)
-        self.active += 1
+        self.active += n
 
     def down(self) -> None:
         self.active -= 1

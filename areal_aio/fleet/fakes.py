@@ -9,7 +9,10 @@ the ones in flight finish on the old weights, load, then start the held ones). I
 by `continuation(msg, version)`.
 The fake trainer answers Train after `step_delay_s` with the next version, and
 Save by writing small stand-in files (a checkpoint part it can resume from: its
-version; a "model" folder with a config.json). Both record what happened (`log`) so tests can check ordering and overlap.
+version; a "model" folder with a config.json). Both record what happened (`log`; the trainer
+also every Train in `batches`) so tests can check ordering and overlap; `record=False` keeps
+nothing, as a real worker keeps nothing in the controller's process (a benchmark of the
+controller would otherwise time the garbage collector walking the fakes' records).
 `stop()` (or Shutdown) and `kill()` end either one the way a subprocess ends: recv gives None
 after what was already sent, a send raises WorkerFailed, and `failure` names the exit code
 (-9 when killed), as PipeWorker's does.
@@ -77,7 +80,13 @@ KILLED = -9
 class _FakeWorker:
     role: str
     returncode: int | None = None  # set once the fake "process" is gone
+    record: bool = True
+    log: list[tuple[float, str, Any]]
     _out: asyncio.Queue
+
+    def _note(self, what: str, about: Any) -> None:
+        if self.record:
+            self.log.append((time.perf_counter(), what, about))
 
     async def prepare(self, model: str) -> None:
         """No model files: a fake needs none."""
@@ -121,12 +130,13 @@ class FakeRollout(_FakeWorker):
 
     def __init__(self, *, tokens: int = 4, token_delay_s: float = 0.0, interrupt: bool = True,
                  policy: Callable[[str, int], str] = solving_policy, fail_on: str | None = None,
-                 instant: bool = False,
+                 instant: bool = False, record: bool = True,
                  continuation: Callable[[wire.Generate, int], str] = policy_continuation) -> None:
         """instant: answer each Generate inside `send` (no task, no token loop): the cheapest
         possible worker, so a benchmark of the controller times the controller alone."""
         self.tokens = tokens
         self.instant = instant
+        self.record = record
         self.token_delay_s = token_delay_s
         self.interrupt = interrupt
         self.policy = policy
@@ -141,7 +151,7 @@ class FakeRollout(_FakeWorker):
         self._interrupts: dict[str, int] = {}
         self._requests: dict[str, wire.Generate] = {}  # started and not answered
         self._progress: dict[str, list[int]] = {}  # running: the versions of its tokens so far
-        self.log: list[tuple[float, str, Any]] = []
+        self.log = []
 
     async def start(self, init: wire.Init) -> wire.Ready:
         self.interrupt = bool(init.settings["rollout"]["interrupt"])
@@ -181,14 +191,14 @@ class FakeRollout(_FakeWorker):
                 raise wire.WireError(f"fake rollout got {msg!r}")
 
     def _start(self, msg: wire.Generate) -> None:
-        self.log.append((time.perf_counter(), "generate", msg.request_id))
+        self._note("generate", msg.request_id)
         self._interrupts[msg.request_id] = 0
         self._requests[msg.request_id] = msg
         if self.instant:
             versions = [self.version] * min(self.tokens, self._limit(msg))
             text = self.answer(msg, self.version)
             self._out.put_nowait(self._completion(msg.request_id, versions, self._finish(msg, text), text))
-            self.log.append((time.perf_counter(), "done", msg.request_id))
+            self._note("done", msg.request_id)
             return
         self._running[msg.request_id] = asyncio.create_task(self._generate(msg))
 
@@ -199,7 +209,7 @@ class FakeRollout(_FakeWorker):
         for rid in self._running:
             self._interrupts[rid] += 1
         self.version = update.version
-        self.log.append((time.perf_counter(), "load", update.version))
+        self._note("load", update.version)
         await self._out.put(wire.WeightsLoaded(version=update.version, load_s=0.0,
                                                rebuilt=len(self._running) if self.interrupt else 0,
                                                worker=self.rank))
@@ -245,7 +255,7 @@ class FakeRollout(_FakeWorker):
         self._running.pop(msg.request_id, None)
         del self._progress[msg.request_id]
         await self._out.put(self._completion(msg.request_id, versions, self._finish(msg, text), text))
-        self.log.append((time.perf_counter(), "done", msg.request_id))
+        self._note("done", msg.request_id)
         if not self.interrupt and not self._running:
             await self._load()
 
@@ -268,13 +278,14 @@ class FakeRollout(_FakeWorker):
 class FakeTrainer(_FakeWorker):
     role = "trainer"
 
-    def __init__(self, *, step_delay_s: float = 0.0, fail_at_step: int | None = None) -> None:
+    def __init__(self, *, step_delay_s: float = 0.0, fail_at_step: int | None = None, record: bool = True) -> None:
         self.step_delay_s = step_delay_s
+        self.record = record
         self.fail_at_step = fail_at_step
         self.version = 0
         self.batches: list[wire.Train] = []
         self.saves: list[wire.Save] = []
-        self.log: list[tuple[float, str, int]] = []
+        self.log = []
         self._out: asyncio.Queue[Any] = asyncio.Queue()
         self._shm_dir = ""
         self._task: asyncio.Task | None = None
@@ -311,16 +322,17 @@ class FakeTrainer(_FakeWorker):
                 raise wire.WireError(f"fake trainer got {msg!r}")
 
     async def _train(self, msg: wire.Train) -> None:
-        self.log.append((time.perf_counter(), "start", msg.step))
+        self._note("start", msg.step)
         if msg.step == self.fail_at_step:
             await self._out.put(wire.Error(self.role, "RuntimeError: fake trainer failure",
                                            "Traceback (most recent call last):\nRuntimeError"))
             return
-        self.batches.append(msg)
+        if self.record:
+            self.batches.append(msg)
         await asyncio.sleep(self.step_delay_s)
         self.version += 1
         tokens = sum(len(s.completion_ids) for s in msg.samples)
-        self.log.append((time.perf_counter(), "end", msg.step))
+        self._note("end", msg.step)
         await self._out.put(wire.Trained(step=msg.step, version=self.version,
                                          path=os.path.join(self._shm_dir, f"v{self.version}.safetensors"),
                                          stats={"loss": 0.0, "tokens": tokens, "seconds": self.step_delay_s}))

@@ -98,14 +98,14 @@ class RolloutPool:
         """Route each message (module docstring), then write each worker's share in one go."""
         shares: dict[int, list[Any]] = {}
         target = None  # the Generates of one call stay together
+        generates = 0
         for msg in msgs:
             match msg:
                 case wire.Generate(request_id=rid):
                     if target is None:
                         target = min(range(len(self.workers)), key=self._load.__getitem__)
                     self._owner[rid] = target
-                    self._load[target] += 1
-                    self.busy[target].up()
+                    generates += 1
                     shares.setdefault(target, []).append(msg)
                 case wire.Abort(request_id=rid):
                     if (owner := self._owner.get(rid)) is not None:
@@ -113,6 +113,9 @@ class RolloutPool:
                 case _:
                     for i in range(len(self.workers)):
                         shares.setdefault(i, []).append(msg)
+        if generates:
+            self._load[target] += generates
+            self.busy[target].up(generates)
         for i, share in shares.items():  # one after another: a pipe with room never yields
             try:
                 await self.workers[i].send_many(share)

@@ -113,6 +113,7 @@ def _is_number(text: str) -> bool:
     return _as_number(text) is not None
 
 
+@functools.lru_cache(maxsize=4096)  # a task's answer, and the few numbers its replies give
 def _as_number(text: str) -> float | None:
     try:
         value = float(text.replace(",", "").strip())
@@ -221,11 +222,12 @@ class Scorer:
         return self._pool
 
     def score_inline(self, task: Task, completion: str) -> Score:
-        """Score on the caller's thread (no task, no pool hop); failures score 0 and are counted."""
+        """Score on the caller's thread (no task, no pool hop); failures score 0 and are counted.
+        Only built-in rewards come here (`inline`): each returns a finite Score and takes no columns."""
         parts = []
         for r in self.rewards:
             try:
-                parts.append(as_score(r.fn(task, completion, **r.kwargs(task))))
+                parts.append(r.fn(task, completion))
             except Exception:  # noqa: BLE001 - a failing reward scores 0 and is counted
                 parts.append(self._failed())
         return self._combine(parts)

@@ -46,3 +46,22 @@ def test_signals_after_the_first_do_not_cut_the_cleanup_short(first, raised):
     assert done.stderr.count("already stopping") == 4 and "Traceback" not in done.stderr
     # the process is ending: after run_owned a late signal must not kill it before its exit code
     assert done.stdout.splitlines()[2:] == ["later signals ignored True"], done.stdout
+
+
+GC_JOB = """
+import asyncio, gc
+from areal_aio.app.runner import YOUNG_GC_THRESHOLD, run_owned
+
+async def job():
+    return gc.get_threshold()
+
+before = gc.get_threshold()
+during = run_owned(job())
+print(before[0] == 700, during == (YOUNG_GC_THRESHOLD, *before[1:]), gc.get_threshold() == before)
+"""
+
+
+def test_the_young_generation_is_collected_less_often_only_while_the_job_runs():
+    done = subprocess.run([sys.executable, "-c", GC_JOB], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "True"], done.stdout + done.stderr

@@ -47,3 +47,13 @@ def test_not_enough_fresh_groups_returns_empty_batch_but_still_drops():
     buf.put(group(1, 5))
     batch, dropped = buf.take(2, version=5, eta=1)
     assert batch == [] and [g.group_id for g in dropped] == [0] and len(buf) == 1
+
+
+def test_stale_groups_leave_oldest_first_and_the_fresh_keep_their_order():
+    buf = ReplayBuffer()
+    for gid, v in [(0, 3), (1, 0), (2, 4), (3, 2), (4, 1), (5, 3)]:
+        buf.put(group(gid, v))
+    assert [g.group_id for g in buf.drop_stale(version=4, eta=1)] == [1, 4, 3]  # v0, v1, v2
+    assert buf.drop_stale(version=4, eta=1) == [] and len(buf) == 3
+    batch, dropped = buf.take(3, version=4, eta=1)
+    assert [g.group_id for g in batch] == [0, 5, 2] and dropped == []

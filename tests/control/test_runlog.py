@@ -44,3 +44,17 @@ async def test_appending_continues_the_sizes_of_the_existing_files(tmp_path):
     assert log.sizes()["steps"] == 16
     await log.settle()
     assert rows(tmp_path / "steps.jsonl") == [0, 1]
+
+
+async def test_rows_at_once_write_and_count_what_rows_one_by_one_would(tmp_path):
+    one, many = RunLog(tmp_path / "one", ""), RunLog(tmp_path / "many", "")
+    for i in range(5):
+        one.row("samples", {"i": i})
+    many.rows("samples", ({"i": i} for i in range(3)))
+    many.rows("samples", [])  # a group with nothing to record adds nothing
+    many.rows("samples", [{"i": 3}, {"i": 4}])
+    assert many.sizes() == one.sizes()
+    await one.settle()
+    await many.settle()
+    assert (tmp_path / "many" / "samples.jsonl").read_bytes() == (tmp_path / "one" / "samples.jsonl").read_bytes()
+    assert rows(tmp_path / "many" / "samples.jsonl") == list(range(5))

@@ -76,3 +76,16 @@ def test_busy_integrates_overlapping_work_once():
     assert b.active == 1 and changes == [True]
     b.down()
     assert changes == [True, False] and b.seconds() == b.total >= 0.0
+
+
+def test_busy_counts_a_whole_group_at_once_and_nothing_for_none():
+    changes = []
+    b = Busy(changes.append)
+    b.up(0)
+    assert b.active == 0 and changes == [] and b.seconds() == 0.0
+    b.up(3)
+    b.down()
+    b.down()
+    assert b.active == 1 and changes == [True]
+    b.down()
+    assert changes == [True, False]
