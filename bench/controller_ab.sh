@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The controller's rate (bench/controller_overhead.py) of an earlier commit beside this tree's, in
-# one sitting: ROUNDS rounds, each running every arm once (5 timed runs each), so a drift of the
-# machine's load falls on all arms.
+# one sitting: ROUNDS rounds, each running every arm once (5 timed runs each, the bench's median),
+# so a drift of the machine's load falls on all arms.
 #
 #     bash bench/controller_ab.sh REV [ROUNDS]   # ROUNDS default 3
+#     EXTRA=--quick bash bench/controller_ab.sh HEAD 1   # a smoke run (20 steps, 2 timed runs per arm)
 #
 # Arms: `old` (REV as it was, its own bench and fakes), `old-fakes` (REV's controller with this
 # tree's bench and fake workers: what the controller itself changed, apart from the fakes) and
@@ -12,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REV="${1:?usage: bash bench/controller_ab.sh REV [ROUNDS]}"
 ROUNDS="${2:-3}"
+EXTRA="${EXTRA:---repeats 5}"
 PY="${PYTHON:-python}"
 case "$PY" in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac  # the arms change directory
 WORK="$(mktemp -d)"
@@ -26,7 +28,7 @@ declare -A RATES
 for round in $(seq "$ROUNDS"); do
   for arm in old old-fakes new; do
     dir="$WORK/$arm"; [ "$arm" = new ] && dir="$PWD"
-    if ! (cd "$dir" && PYTHONPATH="$dir" "$PY" bench/controller_overhead.py --repeats 5 --out "$WORK/out-$arm" \
+    if ! (cd "$dir" && PYTHONPATH="$dir" "$PY" bench/controller_overhead.py $EXTRA --out "$WORK/out-$arm" \
           > "$WORK/$arm.log" 2>&1); then
       tail -20 "$WORK/$arm.log"; exit 1
     fi

@@ -284,3 +284,15 @@ def test_time_to_threshold_and_staleness_ablation_quick_end_to_end(tmp_path):
         assert r["steps"] == staleness_ablation.QUICK_STEPS
     assert res["failed"] == [] and (out / "staleness_ablation.png").stat().st_size > 1000
     assert "x eta0" in proc.stdout
+
+
+@pytest.mark.slow
+def test_controller_ab_measures_a_commit_beside_the_tree_and_leaves_no_worktree():
+    env = dict(os.environ, EXTRA="--quick", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "bench/controller_ab.sh", "HEAD", "1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    medians = dict(re.findall(r"^(old|old-fakes|new): .* -> median (\d+)$", proc.stdout, re.M))
+    assert set(medians) == {"old", "old-fakes", "new"} and all(int(v) > 0 for v in medians.values()), proc.stdout
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
+    assert len(worktrees.strip().splitlines()) == 1, worktrees
