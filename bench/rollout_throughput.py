@@ -2,6 +2,7 @@
 
     python bench/rollout_throughput.py [--quick] [--threads 1,2] [--out DIR]
     python bench/rollout_throughput.py --device cuda --dtype bfloat16 --threads 1 --sequences 256 --max-batch 128
+    python bench/rollout_throughput.py --threads 1 --no-hf-cb --only engine --ops   (where a decode step's time goes)
     python bench/rollout_throughput.py --model FOLDER --random-weights ...   (FOLDER: a model's
         config.json and tokenizer files; the weights are random, for a machine the model can't reach)
 
@@ -25,6 +26,11 @@ prompts), with the same sampling (temperature, top_p) and the same max_new_token
                      CPU only with --compiled); compile time apart (compile_s)
     hf-cb            transformers' own continuous batching (model.generate_batch, with logprobs)
 
+--ops adds one more engine run (and one of engine/int8) under torch's profiler: the share of
+its operators' own time in matrix products, in attention and in the rest, and the share of the
+batch's KV columns that are padding (its mask after every advance). Padding-free attention could
+save at most attention's share times the padding's.
+
 engine/int8 also reports `mismatch_kl`: the k3 KL per token between the int8 sampler's
 log-probs and the float32 model's for the same tokens at the same temperature (a whole-sequence
 pass), which is the trainer's `mismatch_kl` for a version's own tokens; engine reports the same
@@ -47,6 +53,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +127,34 @@ def run_engine(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_bat
         out.update(updates=loads, rebuilt_rows=rebuilt, load_s=load_s, update_s=update_s,
                    interrupted=sum(1 for c in done if c.interrupts))
     return out
+
+
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::_int_mm", "aten::bmm", "aten::matmul", "aten::linear"}
+
+
+def engine_ops(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_batch: int) -> dict[str, Any]:
+    """One engine run under torch's profiler (module docstring, --ops); the profiler's own cost
+    per operator falls on the many small ones, so `other` reads high."""
+    engine = Engine(model, tok, max_batch=max_batch, seed=0)
+    for i, prompt in enumerate(ids):
+        engine.add(Request(str(i), prompt, max_new, TEMPERATURE, TOP_P))
+    holes = columns = 0
+    chunk = RolloutSettings().chunk_tokens
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        while engine.busy:
+            engine.advance(chunk)
+            if engine.batch.seqs:
+                holes += int((~engine.batch.mask).sum())
+                columns += engine.batch.mask.numel()
+    own: Counter[str] = Counter()
+    for op in prof.key_averages():
+        kind = ("attention" if "scaled_dot_product" in op.key or "attention" in op.key
+                else "matmul" if op.key in MATMUL_OPS else "other")
+        own[kind] += op.self_cpu_time_total
+    share = {kind: t / sum(own.values()) for kind, t in own.items()}
+    padded = holes / max(columns, 1)
+    return {"op_share": share, "padded_kv_columns": padded,
+            "padding_free_bound": padded * share.get("attention", 0.0)}
 
 
 def mismatch_kl(reference: Any, done: list[Any]) -> float:
@@ -238,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="on a CPU too: generate/b<max_batch>/static, transformers' compiled decode step "
                              "(torch.compile with inductor: a C++ compiler, minutes of compiling)")
     parser.add_argument("--only", default=None, help="comma-separated methods to run (default all)")
+    parser.add_argument("--ops", action="store_true",
+                        help="profile one more engine run (and engine/int8): op shares, padded KV columns")
     parser.add_argument("--out", default=str(REPO / "bench" / "out" / "rollout_throughput"))
     args = parser.parse_args(argv)
     # this script owns its process: a SIGTERM (timeout, Ctrl-C from a runner) unwinds through
@@ -317,10 +354,16 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"method": name, "threads": n, **result})
                 print(f"  {name:16s} threads={n}  " + (f"{result['tok_s']:7.1f} tok/s" if "tok_s" in result
                       else result["error"]), file=sys.stderr, flush=True)
+        if args.ops:  # at the last thread count
+            ops = {"engine": engine_ops(model, tok, ids, max_new, args.max_batch)}
+            if quantized is not None:
+                ops["engine/int8"] = engine_ops(quantized, tok, ids, max_new, args.max_batch)
     finally:
         store.close()
 
     summary = _summarize(rows, threads, args.group, load_times)
+    if args.ops:
+        summary["ops"] = ops
     results = {"model": spec, "random_weights": args.random_weights, "device": args.device, "dtype": args.dtype, "sequences": sequences, "group": args.group, "max_new_tokens": max_new,
                "max_batch": args.max_batch, "temperature": TEMPERATURE, "top_p": TOP_P,
                "update_every": update_every, "rows": rows, "weight_load_s": load_times,
@@ -363,6 +406,10 @@ def _print_table(results: dict) -> None:
               f"{r['tok_s']:8.1f} {ratio:10.2f}{extra}")
     print(f"weight load from the store: median {results['weight_load_median_s']:.3f}s "
           f"over {len(results['weight_load_s'])} loads")
+    for method, o in results.get("ops", {}).items():
+        print(f"{method}: own time " + ", ".join(f"{k} {v:.1%}" for k, v in sorted(o["op_share"].items()))
+              + f"; padded KV columns {o['padded_kv_columns']:.1%}; padding-free attention saves at most "
+              f"{o['padding_free_bound']:.1%}")
 
 
 def _plot(results: dict, path: Path) -> None:

@@ -40,7 +40,7 @@ def test_quick_bench_writes_results_and_plot(tmp_path):
 def test_a_model_folder_with_random_weights_and_a_chosen_method(tmp_path):
     """--random-weights: a folder's config and tokenizer, weights drawn (what travels to a GPU
     machine the model cannot reach); --only runs the methods named, in the bench's order, and
-    refuses a name it does not know."""
+    refuses a name it does not know; --ops profiles the engine."""
     from areal_aio.workers.models import TINY, load_model
 
     model, tok = load_model(TINY)
@@ -51,11 +51,15 @@ def test_a_model_folder_with_random_weights_and_a_chosen_method(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "bench/rollout_throughput.py", "--model", str(folder), "--random-weights",
                            "--sequences", "8", "--max-new-tokens", "4", "--threads", "1", "--no-hf-cb",
-                           "--only", "engine,generate/b8", "--out", str(out)],
+                           "--only", "engine,generate/b8", "--ops", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["random_weights"] and [r["method"] for r in results["rows"]] == ["engine", "generate/b8"]
+    for ops in results["ops"].values():  # --ops: the float32 engine and the int8 one, profiled
+        assert set(ops["op_share"]) >= {"matmul", "attention"} and sum(ops["op_share"].values()) == pytest.approx(1)
+        assert 0 <= ops["padding_free_bound"] <= ops["op_share"]["attention"] and 0 <= ops["padded_kv_columns"] < 1
+    assert set(results["ops"]) == {"engine", "engine/int8"} and "padding-free attention saves at most" in proc.stdout
     bad = subprocess.run([sys.executable, "bench/rollout_throughput.py", "--quick", "--only", "engine,nope",
                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--only: no method nope" in bad.stderr
