@@ -242,12 +242,13 @@ class ScriptedReplies:
         self.appended: list = []
         self.stops: list = []
 
-    async def __call__(self, sent, append, limit, room, stop):
-        self.appended.append(append)
-        self.stops.append(stop)
+    async def __call__(self, ask):
+        self.appended.append(ask.append)
+        self.stops.append(ask.stop)
         ids = [len(self.appended)] * 2
+        sent = ask.context_ids
         return wire.Completion("r", [9] if sent is None else sent + [5], ids, [-0.5, -0.5], [0, 0],
-                               cut_at_stop(self.texts.pop(0), stop), "stop", 0, 0.0)
+                               cut_at_stop(self.texts.pop(0), ask.stop), "stop", 0, 0.0)
 
 
 class Jitter:

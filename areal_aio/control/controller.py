@@ -511,9 +511,7 @@ class Orchestrator:
         bound scores 0 and is counted; a dropped group or a stop cancels it (its reply in flight
         is aborted); one that ends without a reply drops its group (nothing to train)."""
         bounds = episodes.Bounds.of(self.settings)
-        model = sample.model = episodes.Model(
-            bounds, lambda sent, append, limit, room, stop: self._reply(sample, group, sent, append, limit,
-                                                                        room, stop))
+        model = sample.model = episodes.Model(bounds, lambda ask: self._reply(sample, group, ask))
         score, failure = await episodes.play(self._episode, sample.task, model, bounds.timeout_s)
         if failure is not None:
             self.counts.episode_failures += 1
@@ -529,8 +527,7 @@ class Orchestrator:
             score = await self._scorer.score(sample.task, sample.completion.text)
         self._scored(sample, group, score)
 
-    async def _reply(self, sample: Sample, group: PendingGroup, sent: list[int] | None,
-                     append: list[dict] | None, limit: int, room: int, stop: list[str] | None) -> wire.Completion:
+    async def _reply(self, sample: Sample, group: PendingGroup, ask: episodes.ReplyRequest) -> wire.Completion:
         """One reply of an episode: a Generate, its Completion. An abort answer (on_interrupt =
         restart) resubmits the reply, or past controller.max_retries drops the group."""
         r = self.settings.rollout
@@ -545,11 +542,7 @@ class Orchestrator:
             sample.request_id, sample.waiting = rid, loop.create_future()
             self._requests[rid] = sample
             self._rollout_busy.up()
-            first = sent is None
-            await self.rollout.send(wire.Generate(
-                rid, sample.task.text, limit, r.temperature, r.top_p, seed,
-                sample.task.messages if first else None, context_ids=sent, append=append,
-                max_context=room, stop=stop))
+            await self.rollout.send(ask.generate(rid, sample.task, r.temperature, r.top_p, seed))
             try:
                 msg = await sample.waiting
             except asyncio.CancelledError:  # a timeout or a dropped group: the reply is not wanted

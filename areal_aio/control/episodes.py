@@ -54,11 +54,33 @@ CALCULATOR = "areal_aio.tasks.calculator:episode"
 """What task.name = calculator runs when task.episode is empty."""
 
 Episode = Callable[[Task, "Model"], Awaitable[Any]]
-Request = Callable[[list[int] | None, list[dict[str, str]] | None, int, int, list[str] | None],
-                   Awaitable[wire.Completion]]
-"""How a Model asks for a reply: (context_ids or None for the first, turns to append,
-max_new_tokens, max_context, stop strings or None) -> the reply's Completion (the controller
-sends the Generate and retries aborts)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyRequest:
+    """One reply a Model asks for: the ids so far (None: the first reply, from the task's
+    prompt), the turns to append before it, its token limit, the context bound (0: none) and its
+    stop strings."""
+
+    context_ids: list[int] | None
+    append: list[dict[str, str]] | None
+    max_new_tokens: int
+    max_context: int
+    stop: list[str] | None
+
+    def generate(self, request_id: str, task: Task, temperature: float, top_p: float,
+                 seed: int | None = None) -> wire.Generate:
+        """The Generate that asks for it: the first reply templates the task (its chat, if it is
+        one); a later one continues from the ids."""
+        return wire.Generate(request_id, task.text, self.max_new_tokens, temperature, top_p, seed,
+                             task.messages if self.context_ids is None else None,
+                             context_ids=self.context_ids, append=self.append, max_context=self.max_context,
+                             stop=self.stop)
+
+
+Request = Callable[[ReplyRequest], Awaitable[wire.Completion]]
+"""How a Model gets a reply: the caller sends the request's Generate (its own id and sampling)
+and returns the reply's Completion (the controller also retries aborts)."""
 
 
 class EpisodeLimit(RuntimeError):
@@ -219,7 +241,7 @@ class Model:
         room = 0 if first else len(self.transcript.prompt_ids) + b.tokens
         added, self._pending = self._pending, []
         turns = [{"role": t["role"], "content": t["text"]} for t in added] or None
-        msg = await self._request(sent, turns, limit, room, list(stop) if stop else None)
+        msg = await self._request(ReplyRequest(sent, turns, limit, room, list(stop) if stop else None))
         self.replies += 1
         self.transcript.add_reply(msg, sent, added)
         if not msg.completion_ids:

@@ -86,11 +86,8 @@ async def run_episodes(episode: episodes.Episode, eval_set: list[Task], step: in
     async def one(i: int, task: Task) -> tuple[wire.Completion, Score, list[dict[str, Any]], bool]:
         replies = itertools.count()
 
-        def request(sent: list[int] | None, append: list[dict[str, str]] | None, limit: int,
-                    room: int, stop: list[str] | None) -> Awaitable[wire.Completion]:
-            return ask(wire.Generate(f"eval{step}{label}.{i}.r{next(replies)}", task.text, limit, 0.0, 1.0,
-                                     messages=task.messages if sent is None else None,
-                                     context_ids=sent, append=append, max_context=room, stop=stop))
+        def request(reply: episodes.ReplyRequest) -> Awaitable[wire.Completion]:
+            return ask(reply.generate(f"eval{step}{label}.{i}.r{next(replies)}", task, 0.0, 1.0))
 
         model = episodes.Model(bounds, request)
         score, failure = await episodes.play(episode, task, model, bounds.timeout_s)
