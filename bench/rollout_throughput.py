@@ -29,7 +29,10 @@ prompts), with the same sampling (temperature, top_p) and the same max_new_token
 --ops adds one more engine run (and one of engine/int8) under torch's profiler: the share of
 its operators' own time in matrix products, in attention and in the rest, and the share of the
 batch's KV columns that are padding (its mask after every advance). Padding-free attention could
-save at most attention's share times the padding's.
+save at most attention's share times the padding's. It also times the engine's stop-string check
+(an episode's `stop`, e.g. the calculator's "</calc>"; run once per row per token) on the run's
+replies: microseconds per call, and that as a share of the profiled run's time per generated token
+(the profiler itself adds ~15% to it).
 
 engine/int8 also reports `mismatch_kl`: the k3 KL per token between the int8 sampler's
 log-probs and the float32 model's for the same tokens at the same temperature (a whole-sequence
@@ -55,6 +58,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -139,13 +143,16 @@ def engine_ops(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_bat
     for i, prompt in enumerate(ids):
         engine.add(Request(str(i), prompt, max_new, TEMPERATURE, TOP_P))
     holes = columns = 0
+    done = []
     chunk = RolloutSettings().chunk_tokens
+    t0 = time.perf_counter()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         while engine.busy:
-            engine.advance(chunk)
+            done.extend(engine.advance(chunk)[1])
             if engine.batch.seqs:
                 holes += int((~engine.batch.mask).sum())
                 columns += engine.batch.mask.numel()
+    s_per_token = (time.perf_counter() - t0) / max(1, sum(len(c.completion_ids) for c in done))
     own: Counter[str] = Counter()
     for op in prof.key_averages():
         kind = ("attention" if "scaled_dot_product" in op.key or "attention" in op.key
@@ -153,8 +160,15 @@ def engine_ops(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_bat
         own[kind] += op.self_cpu_time_total
     share = {kind: t / sum(own.values()) for kind, t in own.items()}
     padded = holes / max(columns, 1)
+    stop = Request("stop", [], max_new, stop=("</calc>",))
+    rows = [SimpleNamespace(req=stop, completion=c.completion_ids) for c in done if c.completion_ids]
+    t0 = time.perf_counter()
+    for row in rows:
+        engine._stopped(row)
+    stop_s = (time.perf_counter() - t0) / max(1, len(rows))
     return {"op_share": share, "padded_kv_columns": padded,
-            "padding_free_bound": padded * share.get("attention", 0.0)}
+            "padding_free_bound": padded * share.get("attention", 0.0),
+            "stop_check_us": stop_s * 1e6, "stop_check_share": stop_s / s_per_token}
 
 
 def mismatch_kl(reference: Any, done: list[Any]) -> float:
@@ -409,7 +423,8 @@ def _print_table(results: dict) -> None:
     for method, o in results.get("ops", {}).items():
         print(f"{method}: own time " + ", ".join(f"{k} {v:.1%}" for k, v in sorted(o["op_share"].items()))
               + f"; padded KV columns {o['padded_kv_columns']:.1%}; padding-free attention saves at most "
-              f"{o['padding_free_bound']:.1%}")
+              f"{o['padding_free_bound']:.1%}; a stop-string check {o['stop_check_us']:.1f} us "
+              f"({o['stop_check_share']:.2%} of a token's time)")
 
 
 def _plot(results: dict, path: Path) -> None:
