@@ -3,17 +3,25 @@
 # one sitting: ROUNDS rounds, each running every arm once (5 timed runs each, the bench's median),
 # so a drift of the machine's load falls on all arms.
 #
-#     bash bench/controller_ab.sh REV [ROUNDS]   # ROUNDS default 3
-#     EXTRA=--quick bash bench/controller_ab.sh HEAD 1   # a smoke run (20 steps, 2 timed runs per arm)
+#     bash bench/controller_ab.sh REV [ROUNDS] [OUT]   # ROUNDS default 3, OUT bench/out/controller-ab
+#     EXTRA=--quick bash bench/controller_ab.sh HEAD 1 OUT   # a smoke run (20 steps, 2 timed runs per arm)
 #
-# Arms: `old` (REV as it was, its own bench and fakes), `old-fakes` (REV's controller with this
-# tree's bench and fake workers: what the controller itself changed, apart from the fakes) and
-# `new` (this tree). Prints each arm's per-round medians and their median. Run it alone on the machine.
+# Arms:
+#   old        REV as it was: its own bench and fake workers
+#   old-fakes  REV's package with this tree's bench and fake workers (areal_aio/fleet/fakes.py):
+#              old-fakes against old is what the fakes changed, new against old-fakes what the
+#              rest of the package changed (the controller, and the process setup of
+#              areal_aio/app/runner.py). REV's bench/common.py must offer what today's bench imports.
+#   new        this tree
+# Writes OUT/controller_ab.json (each arm's per-round medians, their median, the ratios) and
+# OUT/controller_ab.png. Run it alone on the machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-REV="${1:?usage: bash bench/controller_ab.sh REV [ROUNDS]}"
+REV="${1:?usage: bash bench/controller_ab.sh REV [ROUNDS] [OUT]}"
 ROUNDS="${2:-3}"
+OUT="${3:-bench/out/controller-ab}"
 EXTRA="${EXTRA:---repeats 5}"
+[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS must be a positive integer, got $ROUNDS" >&2; exit 2; }
 PY="${PYTHON:-python}"
 case "$PY" in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac  # the arms change directory
 WORK="$(mktemp -d)"
@@ -24,19 +32,53 @@ done
 cp areal_aio/fleet/fakes.py "$WORK/old-fakes/areal_aio/fleet/fakes.py"
 cp bench/controller_overhead.py "$WORK/old-fakes/bench/controller_overhead.py"
 
-declare -A RATES
+: > "$WORK/rates"
 for round in $(seq "$ROUNDS"); do
   for arm in old old-fakes new; do
     dir="$WORK/$arm"; [ "$arm" = new ] && dir="$PWD"
+    # shellcheck disable=SC2086
     if ! (cd "$dir" && PYTHONPATH="$dir" "$PY" bench/controller_overhead.py $EXTRA --out "$WORK/out-$arm" \
           > "$WORK/$arm.log" 2>&1); then
-      tail -20 "$WORK/$arm.log"; exit 1
+      echo "arm $arm failed:" >&2; tail -20 "$WORK/$arm.log" >&2; exit 1
     fi
     rate=$(sed -n 's/^median \([0-9,]*\) trajectories.*/\1/p' "$WORK/$arm.log" | tr -d ,)
+    [ -n "$rate" ] || { echo "arm $arm printed no median:" >&2; tail -20 "$WORK/$arm.log" >&2; exit 1; }
     echo "round $round  $arm  $rate trajectories/s"
-    RATES[$arm]="${RATES[$arm]:-} $rate"
+    echo "$arm $rate" >> "$WORK/rates"
   done
 done
-for arm in old old-fakes new; do
-  echo "$arm: ${RATES[$arm]} -> median $(printf '%s\n' ${RATES[$arm]} | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')"
-done
+"$PY" - "$WORK/rates" "$OUT" "$REV" "$(git rev-parse "$REV")" "$ROUNDS" "$EXTRA" <<'PY'
+import statistics, sys
+from pathlib import Path
+sys.path.insert(0, ".")
+from bench.common import pyplot, save_figure, write_json
+
+rates_file, out, rev, sha, rounds, extra = sys.argv[1:]
+arms = {"old": [], "old-fakes": [], "new": []}
+for line in Path(rates_file).read_text().splitlines():
+    arm, rate = line.split()
+    arms[arm].append(int(rate))
+median = {arm: statistics.median(r) for arm, r in arms.items()}
+result = {"command": f"bash bench/controller_ab.sh {rev} {rounds}", "rev": sha, "extra": extra,
+          "rates": arms, "median": median,
+          "fakes_ratio": median["old-fakes"] / median["old"],  # what the fake workers changed
+          "package_ratio": median["new"] / median["old-fakes"],  # what the rest changed
+          "total_ratio": median["new"] / median["old"]}
+out = Path(out)
+write_json(out / "controller_ab.json", result)
+plt = pyplot()
+fig, ax = plt.subplots(figsize=(6, 3.6))
+for i, (arm, r) in enumerate(arms.items()):
+    ax.scatter([i] * len(r), r, color="tab:blue", alpha=0.6)
+    ax.hlines(median[arm], i - 0.25, i + 0.25, color="black")
+ax.axhline(50_000, color="tab:red", ls="--", label="target 50,000")
+ax.set_xticks(range(len(arms)), list(arms))
+ax.set_ylabel("trajectories / s (each round's median)")
+ax.set_title(f"controller alone: {rev} beside this tree")
+ax.legend()
+save_figure(fig, out / "controller_ab.png")
+for arm, r in arms.items():
+    print(f"{arm}: {' '.join(map(str, r))} -> median {median[arm]:,.0f}")
+print(f"new / old {result['total_ratio']:.2f}x (the fakes {result['fakes_ratio']:.2f}x, "
+      f"the rest {result['package_ratio']:.2f}x); wrote {out / 'controller_ab.json'}")
+PY

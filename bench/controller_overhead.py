@@ -1,7 +1,7 @@
 """Controller overhead: trajectories/s through the controller alone, with instant fake workers.
 
     python bench/controller_overhead.py [--steps 100] [--repeats 5] [--mode areal]
-        [--profile] [--out DIR] [--quick]
+        [--profile] [--out DIR] [--quick] [--young-gc N]
 
 The Orchestrator runs in-process against `FakeRollout(tokens=4, instant=True, record=False)`
 (each request answered inside the send, no task or token loop) and `FakeTrainer(step_delay_s=0,
@@ -22,13 +22,16 @@ median is reported with the largest event-loop lag seen (summary["loop_lag_max_m
 the loop was blocked at worst). Target: >= 50k trajectories/s. --profile adds one run under
 cProfile and writes the top functions to DIR/profile.txt. The task source is a pre-built list
 (cycled) so task generation (reasoning-gym) is not counted.
---quick: 20 steps, 2 repeats.
+--quick: 20 steps, 2 repeats. --young-gc N: the runs collect the young generation every N
+allocations instead of what a run uses (areal_aio.app.runner.YOUNG_GC_THRESHOLD); 700 is Python's
+default.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import itertools
 import pstats
@@ -41,6 +44,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
+from areal_aio.app import runner  # noqa: E402
 from areal_aio.control.controller import Orchestrator  # noqa: E402
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer  # noqa: E402
 from areal_aio.settings import MODES, Settings, build_settings  # noqa: E402
@@ -87,6 +91,7 @@ async def one_run(settings: Settings, folder: Path) -> dict:
                         trainer=FakeTrainer(step_delay_s=0, record=False))
     summary = await orch.run()
     summary["trajectories_per_s"] = summary["samples_accepted"] / summary["wall_s"]
+    summary["young_gc_threshold"] = gc.get_threshold()[0]  # what the run collected at
     return summary
 
 
@@ -144,11 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="one more run under cProfile -> DIR/profile.txt")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "controller_overhead")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps, {QUICK_REPEATS} repeats")
+    ap.add_argument("--young-gc", type=int, default=None, metavar="N",
+                    help="collect the young generation every N allocations (default: a run's own)")
     args = ap.parse_args(argv)
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     repeats = args.repeats or (QUICK_REPEATS if args.quick else REPEATS)
     settings = make_settings(steps, args.mode, args.group_size, args.batch_size)
     folder = args.out / "run"
+    if args.young_gc is not None:
+        runner.YOUNG_GC_THRESHOLD = args.young_gc
 
     run_loop(one_run(make_settings(WARMUP_STEPS, args.mode, args.group_size, args.batch_size), folder))
     runs = []
@@ -162,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     lag = max(r["loop_lag_max_ms"] for r in runs)
     results: dict[str, Any] = {
         "mode": args.mode, "group_size": args.group_size, "batch_size": args.batch_size, "steps": steps,
+        "young_gc_threshold": s["young_gc_threshold"],
         "repeats": repeats, "trajectories_per_s_median": median, "loop_lag_max_ms": lag,
         "target_trajectories_per_s": TARGET, "meets_target": median >= TARGET, "runs": runs}
     if args.profile:

@@ -32,7 +32,8 @@ batch's KV columns that are padding (its mask after every advance). Padding-free
 save at most attention's share times the padding's. It also times the engine's stop-string check
 (an episode's `stop`, e.g. the calculator's "</calc>"; run once per row per token) on the run's
 replies: microseconds per call, and that as a share of the profiled run's time per generated token
-(the profiler itself adds ~15% to it).
+(the profiler slows that run, so the share reads low). --ops is for a CPU: on a GPU an
+operator's CPU time is its launch, not its work.
 
 engine/int8 also reports `mismatch_kl`: the k3 KL per token between the int8 sampler's
 log-probs and the float32 model's for the same tokens at the same temperature (a whole-sequence
@@ -58,7 +59,6 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -77,7 +77,7 @@ from areal_aio.workers.models import (  # noqa: E402
     load_model,
 )
 from areal_aio.workers.rollout import int8  # noqa: E402
-from areal_aio.workers.rollout.engine import Engine, Request  # noqa: E402
+from areal_aio.workers.rollout.engine import Engine, Request, stop_in_tail  # noqa: E402
 from areal_aio.workers.trainer.losses import k3_kl  # noqa: E402
 from bench.common import save_figure, write_json  # noqa: E402
 
@@ -160,12 +160,11 @@ def engine_ops(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_bat
         own[kind] += op.self_cpu_time_total
     share = {kind: t / sum(own.values()) for kind, t in own.items()}
     padded = holes / max(columns, 1)
-    stop = Request("stop", [], max_new, stop=("</calc>",))
-    rows = [SimpleNamespace(req=stop, completion=c.completion_ids) for c in done if c.completion_ids]
+    replies = [c.completion_ids for c in done if c.completion_ids]
     t0 = time.perf_counter()
-    for row in rows:
-        engine._stopped(row)
-    stop_s = (time.perf_counter() - t0) / max(1, len(rows))
+    for ids in replies:
+        stop_in_tail(tok, ids, ("</calc>",))
+    stop_s = (time.perf_counter() - t0) / max(1, len(replies))
     return {"op_share": share, "padded_kv_columns": padded,
             "padding_free_bound": padded * share.get("attention", 0.0),
             "stop_check_us": stop_s * 1e6, "stop_check_share": stop_s / s_per_token}
@@ -291,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="profile one more engine run (and engine/int8): op shares, padded KV columns")
     parser.add_argument("--out", default=str(REPO / "bench" / "out" / "rollout_throughput"))
     args = parser.parse_args(argv)
+    if args.ops and args.device != "cpu":
+        parser.error("--ops profiles the CPU's operators: it runs with --device cpu only")
     # this script owns its process: a SIGTERM (timeout, Ctrl-C from a runner) unwinds through
     # `finally` so the weight store folder in /dev/shm is removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

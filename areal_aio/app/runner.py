@@ -30,9 +30,11 @@ def write_error_log(exc: BaseException, folder: Path) -> str:
 
 YOUNG_GC_THRESHOLD = 10_000
 """Python's default is 700. The controller allocates ~20 tracked objects per trajectory (its
-messages, their token lists, the sample), and most die young by reference counting; at 700 the
-collector walked every sample still in flight once per ~35 trajectories. Measured: +5% on
-`bench/controller_overhead.py` (README, Components). 10,000 young objects are ~1 MB."""
+messages, their token lists, the sample); most die young by reference counting, and the rest
+are walked by every collection they live through. Collections of every generation come in
+proportion to the young ones, so all become 14x rarer. 10,000 young objects are ~1 MB. What
+it buys: `python bench/controller_overhead.py --young-gc 700` against the default (README,
+Components)."""
 
 
 STOPPING = ("\nareal_aio: already stopping (finishing what the run keeps, stopping its workers); "

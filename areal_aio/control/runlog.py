@@ -39,6 +39,8 @@ import structlog
 
 STREAMS = ("steps", "samples", "events")
 DUMPS = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
+"""orjson's options for every row: numpy values as numbers (a user's reward may return them), and
+the line's newline written by orjson itself (no copy of the row to append it)."""
 
 
 class RunLog:
@@ -55,7 +57,7 @@ class RunLog:
         self._size = {name: (folder / f"{name}.jsonl").stat().st_size for name in STREAMS}
         self.t0 = time.perf_counter()
         # A private structlog logger (no global configuration): events become rows here. Bound
-        # once, so no call resolves structlog's configuration again (a third of an event's cost).
+        # once, so no call resolves structlog's configuration again (a lazy proxy does, each call).
         self.events = structlog.wrap_logger(
             _Sink(self), processors=[self._stamp, lambda _logger, _name, event: {"row": event}]).bind()
 
@@ -68,8 +70,8 @@ class RunLog:
 
     def rows(self, stream: str, rows: Iterable[dict]) -> None:
         """Several rows as one buffered piece (a step's samples). Each row's bytes are freed as
-        soon as they are joined, so the heap reuses them: held one by one until the flush, a
-        row cost 1-2 us more than the encoding itself (fresh memory for each)."""
+        soon as they are joined, so the heap reuses them; held one by one until the flush, each
+        row took fresh memory, which cost more than encoding it (README, Components)."""
         if data := b"".join([orjson.dumps(row, option=DUMPS) for row in rows]):
             self._add(stream, data)
 

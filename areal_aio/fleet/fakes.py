@@ -10,9 +10,10 @@ by `continuation(msg, version)`.
 The fake trainer answers Train after `step_delay_s` with the next version, and
 Save by writing small stand-in files (a checkpoint part it can resume from: its
 version; a "model" folder with a config.json). Both record what happened (`log`; the trainer
-also every Train in `batches`) so tests can check ordering and overlap; `record=False` keeps
-nothing, as a real worker keeps nothing in the controller's process (a benchmark of the
-controller would otherwise time the garbage collector walking the fakes' records).
+also every Train in `batches` and every Save in `saves`) so tests can check ordering and
+overlap; `record=False` keeps nothing, as a real worker keeps nothing in the controller's
+process (a benchmark of the controller would otherwise time the garbage collector walking the
+fakes' records).
 `stop()` (or Shutdown) and `kill()` end either one the way a subprocess ends: recv gives None
 after what was already sent, a send raises WorkerFailed, and `failure` names the exit code
 (-9 when killed), as PipeWorker's does.
@@ -305,7 +306,8 @@ class FakeTrainer(_FakeWorker):
                     return
                 self._task = asyncio.create_task(self._train(msg))
             case wire.Save():
-                self.saves.append(msg)
+                if self.record:
+                    self.saves.append(msg)
                 await self._after_train()  # a real trainer answers in order: Train first
                 folder = Path(msg.path)
                 folder.mkdir(parents=True, exist_ok=True)

@@ -113,7 +113,6 @@ def _is_number(text: str) -> bool:
     return _as_number(text) is not None
 
 
-@functools.lru_cache(maxsize=4096)  # a task's answer, and the few numbers its replies give
 def _as_number(text: str) -> float | None:
     try:
         value = float(text.replace(",", "").strip())
@@ -135,6 +134,10 @@ class AnswerReward:
     """Correctness reward with a format bonus gated on correctness (picklable: runs in a process pool)."""
 
     format_bonus: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not _finite(self.format_bonus):  # its Scores skip as_score's check when scored inline
+            raise ValueError(f"AnswerReward's format_bonus must be a finite number, got {self.format_bonus!r}")
 
     def __call__(self, task: Task, completion: str) -> Score:
         answer, tagged = final_answer(completion)
@@ -194,7 +197,7 @@ class Scorer:
         self.timeout_s = timeout_s
         self.failures = 0
         self._pool: RewardPool | None = None
-        self._inline = procs == 0 and all(type(r.fn) is AnswerReward for r in self.rewards)
+        self._inline = procs == 0 and all(type(r.fn) is AnswerReward and r.columns == () for r in self.rewards)
         self._async = [_is_async(r.fn) for r in self.rewards]
         self._in_pool: list[int | None] = [None] * len(self.rewards)  # index among the pool's functions
         if self._inline or procs == 0:
@@ -223,7 +226,7 @@ class Scorer:
 
     def score_inline(self, task: Task, completion: str) -> Score:
         """Score on the caller's thread (no task, no pool hop); failures score 0 and are counted.
-        Only built-in rewards come here (`inline`): each returns a finite Score and takes no columns."""
+        Only built-in rewards without columns come here (`inline`): each returns a finite Score."""
         parts = []
         for r in self.rewards:
             try:

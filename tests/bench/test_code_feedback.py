@@ -28,4 +28,5 @@ def test_smoke_run_summarizes_every_problem_by_reply(tmp_path):
     # a reply that fails gets the feedback and a second reply: tiny-random never passes, so each has 2
     assert summary["passed_by_reply"] == {"1": 0, "2": 0} and summary["replies_mean"] == 2.0
     eval_rows = json.loads((tmp_path / "eval.json").read_text())["samples"]
-    assert len(eval_rows) == 164 and all(len(r["turns"]) >= 3 for r in eval_rows)  # prompt, reply, feedback...
+    assert len(eval_rows) == 164  # each: a reply, the feedback on its failure, the second reply
+    assert all([t["role"] for t in r["turns"]] == ["assistant", "user", "assistant"] for r in eval_rows)

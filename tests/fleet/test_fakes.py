@@ -16,8 +16,8 @@ async def test_fakes_keep_their_records_only_when_asked(tmp_path, record, instan
     trainer = FakeTrainer(record=record)
     summary = await orchestrator(tmp_path, make_settings("areal"), rollout=rollout, trainer=trainer).run()
     assert summary["steps"] == 6 and summary["samples_accepted"] == 6 * 4
-    kept = (len(rollout.log), len(trainer.log), len(trainer.batches))
-    if record:  # every request started and done, every step started and ended, every batch
-        assert kept[0] >= 2 * summary["samples_generated"] and kept[1:] == (2 * 6, 6)
+    kept = (len(rollout.log), len(trainer.log), len(trainer.batches), len(trainer.saves))
+    if record:  # every request started and done, every step started and ended, every batch, the saves
+        assert kept[0] >= 2 * summary["samples_generated"] and kept[1:3] == (2 * 6, 6) and kept[3] >= 1
     else:
-        assert kept == (0, 0, 0)
+        assert kept == (0, 0, 0, 0)

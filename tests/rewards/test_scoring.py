@@ -81,6 +81,15 @@ async def test_scorer_process_pool_and_inline_agree():
         await pool.aclose()
 
 
+async def test_only_column_less_built_in_rewards_score_inline_and_their_bonus_is_finite():
+    assert Scorer(AnswerReward(0.2), timeout_s=30, procs=0).inline
+    assert Scorer([Reward("a", AnswerReward(), weight=2.0), Reward("b", AnswerReward())], timeout_s=30, procs=0).inline
+    wants_columns = Scorer(Reward("answer", AnswerReward(), columns=None), timeout_s=30, procs=0)
+    assert not wants_columns.inline  # scored as any other reward: the same result for every procs
+    with pytest.raises(ValueError, match="format_bonus must be a finite number"):
+        AnswerReward(float("inf"))
+
+
 async def test_scorer_failures_score_zero_and_count():
     def raises(task, text):
         raise RuntimeError("broken")

@@ -55,11 +55,22 @@ FORWARD_OVERHEAD_TOKENS = 16
 """The fixed cost of one more forward pass (reading every weight once) in tokens of work: on
 CPU a 1-token step of SmolLM2-135M costs about as much as 16 tokens of a long pass."""
 STOP_SPARE_TOKENS = 4
-"""Tokens read past a stop string's length when looking for it (Engine._stopped)."""
+"""Tokens read past a stop string's length when looking for it (stop_in_tail)."""
 HEADROOM_TOKENS = 32
 """Spare KV columns allocated past a cache's length: decode steps write into them in place
 instead of copying the whole cache (DynamicLayer's torch.cat) every step. The batch is copied
 anyway whenever rows join or leave, which reallocates the headroom."""
+
+
+def stop_in_tail(tokenizer: Any, completion: list[int], stop: tuple[str, ...]) -> bool:
+    """Whether the last token completed one of the `stop` strings: one is in the text of the last
+    few tokens. Every token is checked as it is appended, so an occurrence that ended before the
+    last token would have ended the row there: one decode per token. The window holds as many
+    tokens as the longest string has UTF-8 bytes (a token is at least one byte), plus a spare.
+    The text is decoded without special tokens: a special token's own text never matches."""
+    window = max(len(s.encode()) for s in stop) + STOP_SPARE_TOKENS
+    tail = tokenizer.decode(completion[-window:], skip_special_tokens=True)
+    return any(s in tail for s in stop)
 
 
 @dataclass(slots=True)
@@ -494,7 +505,8 @@ class Engine:
                 seq.completion.append(token)
                 seq.logprobs.append(logprob)
                 seq.versions.append(self.version)
-                if token in self.eos or (seq.req.stop and self._stopped(seq)):
+                if token in self.eos or (seq.req.stop and stop_in_tail(self.tokenizer, seq.completion,
+                                                                       seq.req.stop)):
                     finish = "stop"
                 elif len(seq.completion) >= seq.req.max_new_tokens:
                     finish = "length"
@@ -506,17 +518,6 @@ class Engine:
                 keep.append(i)
         b.keep(keep)
         return done
-
-    def _stopped(self, seq: _Seq) -> bool:
-        """Whether the last token completed one of the request's stop strings: one is in the text
-        of the last few tokens. Every token is checked as it is appended, so an occurrence that
-        ended before the last token would have ended the row there: one decode per token. The
-        window holds as many tokens as the longest string has UTF-8 bytes (a token is at least
-        one byte), plus a spare. The text is decoded without special tokens: a special token's
-        own text never matches."""
-        window = max(len(s.encode()) for s in seq.req.stop) + STOP_SPARE_TOKENS
-        tail = self.tokenizer.decode(seq.completion[-window:], skip_special_tokens=True)
-        return any(s in tail for s in seq.req.stop)
 
     def _sample(self, logits: torch.Tensor, b: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(token [B], its log-prob [B] under the distribution it was drawn from).
