@@ -429,12 +429,12 @@ class Orchestrator:
         """One Generate per sample, written together (one pipe drain for a whole group)."""
         r = self.settings.rollout
         msgs = []
-        self._rollout_busy.up(len(samples))
         for sample in samples:
             self._requests[sample.request_id] = sample
             seed = sample_seed(self.settings.run.seed, sample.group_id, sample.index, sample.retries)
             msgs.append(wire.Generate(sample.request_id, sample.task.text, r.max_new_tokens,
                                       r.temperature, r.top_p, seed, sample.task.messages))
+        self._rollout_busy.up(len(msgs))
         await self.rollout.send_many(msgs)
 
     # ------------------------------------------------------------------ rollout side
