@@ -58,6 +58,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +100,11 @@ def prompts(tok: Any, sequences: int, group: int) -> list[list[int]]:
 
 def run_engine(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_batch: int,
                updates: tuple[int, list[Path]] | None = None, load: Any = load_weights,
-               reference: Any = None, keep_kv: bool = False) -> dict[str, Any]:
+               reference: Any = None, keep_kv: bool = False,
+               watch: Callable[[Engine, list[Any]], None] | None = None) -> dict[str, Any]:
     """All sequences queued at once; with `updates` = (every, paths), weights change mid-run
     (through `load`; `keep_kv`: rollout.kv_on_update = keep). With a `reference` model (no
-    updates), also its mismatch_kl."""
+    updates), also its mismatch_kl. `watch(engine, finished)` sees the engine after each advance."""
     engine = Engine(model, tok, max_batch=max_batch, seed=0, load=load, keep_kv=keep_kv)
     for i, prompt in enumerate(ids):
         engine.add(Request(str(i), prompt, max_new, TEMPERATURE, TOP_P))
@@ -116,6 +118,8 @@ def run_engine(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_bat
         taken, finished = engine.advance(left)
         done.extend(finished)
         steps += taken
+        if watch is not None:
+            watch(engine, finished)
         if updates and steps % updates[0] == 0 and engine.running:
             t_update = time.perf_counter()
             loaded, finished = engine.update_weights(loads + 1, str(updates[1][loads % 2]))
@@ -139,20 +143,19 @@ MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::_int_mm", "aten::bmm", "aten::ma
 def engine_ops(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_batch: int) -> dict[str, Any]:
     """One engine run under torch's profiler (module docstring, --ops); the profiler's own cost
     per operator falls on the many small ones, so `other` reads high."""
-    engine = Engine(model, tok, max_batch=max_batch, seed=0)
-    for i, prompt in enumerate(ids):
-        engine.add(Request(str(i), prompt, max_new, TEMPERATURE, TOP_P))
     holes = columns = 0
-    done = []
-    chunk = RolloutSettings().chunk_tokens
-    t0 = time.perf_counter()
+    done: list[Any] = []
+
+    def watch(engine: Engine, finished: list[Any]) -> None:
+        nonlocal holes, columns
+        done.extend(finished)
+        if engine.batch.seqs:
+            holes += int((~engine.batch.mask).sum())
+            columns += engine.batch.mask.numel()
+
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        while engine.busy:
-            done.extend(engine.advance(chunk)[1])
-            if engine.batch.seqs:
-                holes += int((~engine.batch.mask).sum())
-                columns += engine.batch.mask.numel()
-    s_per_token = (time.perf_counter() - t0) / max(1, sum(len(c.completion_ids) for c in done))
+        run = run_engine(model, tok, ids, max_new, max_batch, watch=watch)
+    s_per_token = run["seconds"] / max(1, run["tokens"])
     own: Counter[str] = Counter()
     for op in prof.key_averages():
         kind = ("attention" if "scaled_dot_product" in op.key or "attention" in op.key

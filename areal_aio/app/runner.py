@@ -100,22 +100,15 @@ def run_owned(coro):
     garbage collector's sight first (gc.freeze), so a full collection does not walk it again,
     one event-loop stall at a time; while the run lasts, the young generation is collected
     every YOUNG_GC_THRESHOLD allocations (the threshold is restored after)."""
-    gc.collect()
-    gc.freeze()
-    threshold = gc.get_threshold()
-    gc.set_threshold(YOUNG_GC_THRESHOLD, *threshold[1:])
-    try:
-        return _run_on_uvloop(coro)
-    finally:
-        gc.set_threshold(*threshold)
-
-
-def _run_on_uvloop(coro):
     received: list[int] = []
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
         uvloop = None
+    gc.collect()
+    gc.freeze()
+    threshold = gc.get_threshold()
+    gc.set_threshold(YOUNG_GC_THRESHOLD, *threshold[1:])
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop if uvloop else None) as runner:
             return runner.run(_owning_process(coro, received))
@@ -123,3 +116,5 @@ def _run_on_uvloop(coro):
         if received and received[0] == signal.SIGINT:
             raise KeyboardInterrupt from None
         raise
+    finally:
+        gc.set_threshold(*threshold)
