@@ -284,16 +284,29 @@ def _read_exactly(stream: IO[bytes], n: int) -> bytes | None:
     return b"".join(chunks)
 
 
-async def read_message_async(reader: asyncio.StreamReader) -> Message | None:
-    """Read one message from an asyncio stream; None at a clean end of stream."""
-    try:
-        header = await reader.readexactly(HEADER.size)
-    except asyncio.IncompleteReadError as exc:
-        if exc.partial:
+class FrameReader:
+    """Messages from one asyncio stream, a `read` at a time; None at a clean end of stream.
+
+    A read cancelled between a frame's header and its body keeps the header: the next read goes
+    on with that frame. Two bare readexactly calls would drop it, and every read after would
+    take a body for a header (a stop cancels the readers at any point, then reads the replies
+    still owed on the same stream)."""
+
+    def __init__(self, stream: asyncio.StreamReader) -> None:
+        self.stream = stream
+        self._header: bytes | None = None  # a frame's header read, its body not yet
+
+    async def read(self) -> Message | None:
+        if self._header is None:
+            try:
+                self._header = await self.stream.readexactly(HEADER.size)  # consumes nothing until whole
+            except asyncio.IncompleteReadError as exc:
+                if exc.partial:
+                    raise WireError("stream ended inside a frame") from None
+                return None
+        try:
+            body = await self.stream.readexactly(_length(self._header))
+        except asyncio.IncompleteReadError:
             raise WireError("stream ended inside a frame") from None
-        return None
-    try:
-        body = await reader.readexactly(_length(header))
-    except asyncio.IncompleteReadError:
-        raise WireError("stream ended inside a frame") from None
-    return decode(body)
+        self._header = None
+        return decode(body)

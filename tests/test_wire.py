@@ -42,8 +42,28 @@ async def test_round_trip_async_many_frames():
     reader = asyncio.StreamReader()
     reader.feed_data(b"".join(wire.encode(m) for m in MESSAGES))
     reader.feed_eof()
-    got = [await wire.read_message_async(reader) for _ in MESSAGES]
-    assert got == MESSAGES and await wire.read_message_async(reader) is None
+    frames = wire.FrameReader(reader)
+    got = [await frames.read() for _ in MESSAGES]
+    assert got == MESSAGES and await frames.read() is None
+
+
+async def test_a_read_cancelled_inside_a_frame_loses_nothing():
+    """A stop cancels the readers wherever they are, then reads the replies still owed on the same
+    stream: a read cancelled after a frame's header, before its body, must leave that frame whole."""
+    first, second = wire.Abort("first"), wire.Abort("second")
+    data = wire.encode(first)
+    reader = asyncio.StreamReader()
+    frames = wire.FrameReader(reader)
+    reader.feed_data(data[:wire.HEADER.size + 3])  # the header and part of the body
+    read = asyncio.ensure_future(frames.read())
+    await asyncio.sleep(0)  # it took the header and waits for the body
+    assert not read.done()
+    read.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await read
+    reader.feed_data(data[wire.HEADER.size + 3:] + wire.encode(second))
+    assert await frames.read() == first
+    assert await frames.read() == second
 
 
 def test_completion_versions():
@@ -78,4 +98,4 @@ async def test_async_truncated_frame():
     reader.feed_data(wire.encode(wire.Abort("x"))[:-1])
     reader.feed_eof()
     with pytest.raises(wire.WireError):
-        await wire.read_message_async(reader)
+        await wire.FrameReader(reader).read()

@@ -7,7 +7,8 @@
 The train loop awaits one request at a time; `outstanding` counts the requests the trainer
 has not answered yet. A step is the link's from the moment its Train is written until its
 Trained is committed (through `commit`): when a stop cancels the train loop while the step is
-in flight, a reply that reaches the reader before it too is cancelled is kept as late, and
+in flight, a reply that reaches the reader before it too is cancelled is kept (as late, or in
+the step's future when the cancel lands between the hand-over and the step resuming), and
 `settle` commits it (the trainer holds that version now) or reads the reply itself.
 """
 
@@ -82,8 +83,12 @@ class TrainerLink:
     async def settle(self) -> None:
         """At a stop (the reader gone): commit a step in flight, and read the replies to
         everything sent before the stop."""
-        if self._late is not None and self._step is not None:
-            self._finish(self._late)  # it reached the reader before the reader was cancelled
+        if self._step is not None:  # a step in flight whose reply the reader already took
+            handed = self._trained if self._trained is not None and self._trained.done() else None
+            if self._late is not None:  # it came after the step was cancelled
+                self._finish(self._late)
+            elif handed is not None and not handed.cancelled():  # handed over, then the stop's
+                self._finish(handed.result())  # cancel reached the step before it could resume
         while self.outstanding:
             await self._reply_at_stop()
 

@@ -68,9 +68,17 @@ class WorkerClient(Protocol):
 
     async def send(self, msg: Any) -> None: ...
 
-    async def send_many(self, msgs: list[Any]) -> None: ...
+    async def send_many(self, msgs: list[Any]) -> None:
+        """The frames go to the worker in order once this is called, even when the caller is
+        cancelled while it waits (for the pipe's room, for an earlier send): a stop counts an
+        eval's request or a Train as sent once asked for, and waits for its reply. A PipeWorker
+        writes them before its first wait; a RayWorker hands them to a task of their own."""
+        ...
 
-    async def recv(self) -> Any | None: ...
+    async def recv(self) -> Any | None:
+        """The next message; None at the end of the stream. A read cancelled halfway through a
+        frame loses nothing: the next read goes on with it (wire.FrameReader)."""
+        ...
 
     def failure(self, msg: Any) -> WorkerFailed: ...
 
@@ -85,6 +93,7 @@ class PipeWorker:
         self.log_path = log_path
         self.threads = threads
         self.proc: asyncio.subprocess.Process | None = None
+        self._frames: wire.FrameReader | None = None  # its stdout, one per process
 
     @property
     def pid(self) -> int | None:
@@ -97,6 +106,7 @@ class PipeWorker:
         log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - handed to the child
         try:
             self.proc = await spawn(self.role, self.threads, log if log else asyncio.subprocess.DEVNULL)
+            self._frames = wire.FrameReader(self.proc.stdout)
         finally:
             if log:
                 log.close()
@@ -142,8 +152,8 @@ class PipeWorker:
         return worker_failed(self.role, None, self.proc.returncode, self.log_tail())
 
     async def recv(self) -> Any | None:
-        assert self.proc is not None and self.proc.stdout is not None
-        return await wire.read_message_async(self.proc.stdout)
+        assert self._frames is not None
+        return await self._frames.read()
 
     async def stop(self) -> None:
         """Ask, wait, terminate, kill: no worker outlives this call."""

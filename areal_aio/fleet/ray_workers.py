@@ -179,6 +179,7 @@ class RayWorker:
         self._gone = ""  # why the stream ended, when the actor died
         self._joined = False
         self._stream: asyncio.StreamReader | None = None
+        self._frames: wire.FrameReader | None = None
         self._relay: asyncio.Task | None = None
         self._sending = asyncio.Lock()
         self._source: Any = None
@@ -214,6 +215,7 @@ class RayWorker:
                                                            init.settings["model"]["path"], store))
         self._own_store = shm_dir if node == here else ""
         self._stream = asyncio.StreamReader()
+        self._frames = wire.FrameReader(self._stream)
         self._relay = asyncio.create_task(self._read_actor(self.actor), name=f"{self.role}-relay")
         await self.send(_on_actor(init, shm_dir or init.shm_dir, self.gpu))
         msg = await self.recv()
@@ -260,9 +262,17 @@ class RayWorker:
         await self.send_many([msg])
 
     async def send_many(self, msgs: list[Any]) -> None:
-        """Frames to the worker, in order: Ray runs an async actor's calls in any order, so one
-        call at a time. A shipped UpdateWeights becomes the file's bytes plus the message (frames
-        sent meanwhile wait for the transfer)."""
+        """Frames to the worker, in order, sent as a pipe write is: once this is called, even when
+        the caller is cancelled while it waits (a stop counts an eval's request or a Train as sent
+        once asked for, and waits for its reply). Ray runs an async actor's calls in any order, so
+        one call at a time: each call's frames go in a task of their own that waits for its turn."""
+        sending = asyncio.ensure_future(self._send_in_turn(msgs))
+        sending.add_done_callback(_seen)  # a caller cancelled meanwhile never reads its outcome
+        await asyncio.shield(sending)
+
+    async def _send_in_turn(self, msgs: list[Any]) -> None:
+        """A shipped UpdateWeights becomes the file's bytes plus the message (frames sent
+        meanwhile wait for the transfer)."""
         async with self._sending:
             if self.actor is None:
                 raise WorkerFailed(self.role, "stopped", self.log_tail())
@@ -286,7 +296,7 @@ class RayWorker:
         return self._source
 
     async def recv(self) -> Any | None:
-        return await wire.read_message_async(self._stream)
+        return await self._frames.read()
 
     async def stop(self) -> None:
         """Ask the actor to stop its worker, wait, kill the actor; the last client disconnects."""
@@ -306,6 +316,12 @@ class RayWorker:
             if self._joined:
                 self._joined = False
                 Cluster.leave()
+
+
+def _seen(task: asyncio.Task) -> None:
+    """Mark a send's outcome as read: a failure is also raised to its caller, when it still waits."""
+    if not task.cancelled():
+        task.exception()
 
 
 class Cluster:

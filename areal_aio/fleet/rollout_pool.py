@@ -116,7 +116,10 @@ class RolloutPool:
         if generates:
             self._load[target] += generates
             self.busy[target].up(generates)
-        for i, share in shares.items():  # one after another: a pipe with room never yields
+        # one after another: a pipe with room never yields. Cancelled while it waits for one
+        # worker, the later workers' shares are not sent; only broadcasts and aborts span
+        # workers, and only a stop cancels them (its Shutdown reaches every worker).
+        for i, share in shares.items():
             try:
                 await self.workers[i].send_many(share)
             except WorkerFailed as exc:

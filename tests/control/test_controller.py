@@ -361,6 +361,30 @@ async def test_a_trained_reply_after_its_step_was_cancelled_is_not_a_fault(tmp_p
         await asyncio.wait_for(link.read(), 10)
 
 
+async def test_a_step_cancelled_as_its_reply_is_handed_over_is_committed_at_the_stop(tmp_path):
+    """The reader hands the step its Trained, and the stop's cancel reaches the step before it
+    resumes: the reply is taken and the trainer holds the new version, so the stop commits it
+    (else model/ would be asked for a version the trainer no longer has)."""
+    committed = []
+
+    class CancelOnReply(FakeTrainer):
+        async def send(self, msg):
+            await super().send(msg)
+            if isinstance(msg, wire.Train):  # runs before the step's own wake-up: the cancel lands first
+                link._trained.add_done_callback(lambda _: step.cancel())
+
+    link = TrainerLink(CancelOnReply(), Busy(), lambda s, trained: committed.append((s, trained.version)))
+    await link.trainer.start(wire.Init("trainer", {}, str(tmp_path)))
+    reader = asyncio.create_task(link.read())
+    step = asyncio.create_task(link.train(wire.Train(step=0, version=0), "step 1"))
+    with pytest.raises(asyncio.CancelledError):
+        await step
+    reader.cancel()
+    assert committed == [] and link.outstanding == 0  # taken by the reader, committed by nobody
+    await link.settle()
+    assert committed == [("step 1", 1)]
+
+
 class RecordingRollout(FakeRollout):
     """Keeps every Generate it was sent."""
 

@@ -71,13 +71,15 @@ def run_child(address: str, tmp_path, *, connect_timeout_s: float | None = None)
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
+    """Wait up to `timeout` for `proc`; one that will not stop is killed (its group too), and what it
+    printed comes back either way, so a failing assert shows it."""
     t0 = time.perf_counter()
     try:
         _, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:  # it would not stop: end what this test started
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        err = f"[still running after {timeout}s; killed]\n{err}"
     return proc.returncode, err, time.perf_counter() - t0
 
 
