@@ -72,7 +72,9 @@ class WorkerClient(Protocol):
         """The frames go to the worker in order once this is called, even when the caller is
         cancelled while it waits (for the pipe's room, for an earlier send): a stop counts an
         eval's request or a Train as sent once asked for, and waits for its reply. A PipeWorker
-        writes them before its first wait; a RayWorker hands them to a task of their own."""
+        writes them before its first wait; a RayWorker hands them to a task of their own. A
+        RolloutPool keeps this for a call to one worker; a call that spans workers (a broadcast,
+        aborts) is written one worker after another, and a cancel can cut it short."""
         ...
 
     async def recv(self) -> Any | None:

@@ -274,20 +274,21 @@ class RayWorker:
         """A shipped UpdateWeights becomes the file's bytes plus the message (frames sent
         meanwhile wait for the transfer)."""
         async with self._sending:
-            if self.actor is None:
+            actor = self.actor  # the one these frames were sent to, should a stop come meanwhile
+            if actor is None:
                 raise WorkerFailed(self.role, "stopped", self.log_tail())
             frames = []
             for msg in msgs:
                 if isinstance(msg, wire.UpdateWeights) and self.shipped:
                     if frames:
-                        await self._call(self.actor.write.remote(b"".join(frames)))
+                        await self._call(actor.write.remote(b"".join(frames)))
                         frames = []
                     data = self._weights_source(msg.path).read_file.remote(msg.path)
-                    await self._call(self.actor.load_weights.remote(msg.version, data))
+                    await self._call(actor.load_weights.remote(msg.version, data))
                 else:
                     frames.append(wire.encode(msg))
             if frames:
-                await self._call(self.actor.write.remote(b"".join(frames)))
+                await self._call(actor.write.remote(b"".join(frames)))
 
     def _weights_source(self, path: str) -> Any:
         """The trainer's actor, which reads the store on the controller's node."""

@@ -75,11 +75,15 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
     printed comes back either way, so a failing assert shows it."""
     t0 = time.perf_counter()
     try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-        err = f"[still running after {timeout}s; killed]\n{err}"
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            err = f"[still running after {timeout}s; killed]\n{err}"
+    finally:
+        if proc.poll() is None:  # interrupted meanwhile: end what this test started all the same
+            os.killpg(proc.pid, signal.SIGKILL)
     return proc.returncode, err, time.perf_counter() - t0
 
 
