@@ -13,7 +13,8 @@
 #              rest of the package changed (the controller, and the process setup of
 #              areal_aio/app/runner.py). REV's bench/common.py must offer what today's bench imports.
 #   new        this tree
-# Writes OUT/controller_ab.json (each arm's per-round medians, their median, the ratios) and
+# Writes OUT/controller_ab.json (each arm's per-round medians, their median, the ratios, the young-GC
+# threshold each arm's runs collected at: which bench and package it ran) and
 # OUT/controller_ab.png. Run it alone on the machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,10 +42,12 @@ for round in $(seq "$ROUNDS"); do
           > "$WORK/$arm.log" 2>&1); then
       echo "arm $arm failed:" >&2; tail -20 "$WORK/$arm.log" >&2; exit 1
     fi
-    rate=$(sed -n 's/^median \([0-9,]*\) trajectories.*/\1/p' "$WORK/$arm.log" | tr -d ,)
-    [ -n "$rate" ] || { echo "arm $arm printed no median:" >&2; tail -20 "$WORK/$arm.log" >&2; exit 1; }
+    # the arm's median and the young-GC threshold its runs collected at ("-": a bench too old to say)
+    read -r rate gc < <("$PY" -c 'import json, sys; r = json.load(open(sys.argv[1]))
+print(round(r["trajectories_per_s_median"]), r.get("young_gc_threshold", "-"))' "$WORK/out-$arm/results.json") \
+      || { echo "arm $arm wrote no results.json:" >&2; tail -20 "$WORK/$arm.log" >&2; exit 1; }
     echo "round $round  $arm  $rate trajectories/s"
-    echo "$arm $rate" >> "$WORK/rates"
+    echo "$arm $rate $gc" >> "$WORK/rates"
   done
 done
 "$PY" - "$WORK/rates" "$OUT" "$REV" "$(git rev-parse "$REV")" "$ROUNDS" "$EXTRA" <<'PY'
@@ -55,12 +58,14 @@ from bench.common import pyplot, save_figure, write_json
 
 rates_file, out, rev, sha, rounds, extra = sys.argv[1:]
 arms = {"old": [], "old-fakes": [], "new": []}
+gc = {}
 for line in Path(rates_file).read_text().splitlines():
-    arm, rate = line.split()
+    arm, rate, threshold = line.split()
     arms[arm].append(int(rate))
+    gc[arm] = None if threshold == "-" else int(threshold)
 median = {arm: statistics.median(r) for arm, r in arms.items()}
 result = {"command": f"bash bench/controller_ab.sh {rev} {rounds}", "rev": sha, "extra": extra,
-          "rates": arms, "median": median,
+          "rates": arms, "median": median, "young_gc_threshold": gc,
           "fakes_ratio": median["old-fakes"] / median["old"],  # what the fake workers changed
           "package_ratio": median["new"] / median["old-fakes"],  # what the rest changed
           "total_ratio": median["new"] / median["old"]}

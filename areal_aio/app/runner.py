@@ -29,12 +29,11 @@ def write_error_log(exc: BaseException, folder: Path) -> str:
 
 
 YOUNG_GC_THRESHOLD = 10_000
-"""Python's default is 700. The controller allocates ~20 tracked objects per trajectory (its
+"""Python's default is 700. The controller allocates tracked objects for every trajectory (its
 messages, their token lists, the sample); most die young by reference counting, and the rest
 are walked by every collection they live through. Collections of every generation come in
-proportion to the young ones, so all become 14x rarer. 10,000 young objects are ~1 MB. What
-it buys: `python bench/controller_overhead.py --young-gc 700` against the default (README,
-Components)."""
+proportion to the young ones, so all become 14x rarer. What it buys: `bash
+bench/young_gc_ab.sh` (README, Components)."""
 
 
 STOPPING = ("\nareal_aio: already stopping (finishing what the run keeps, stopping its workers); "
@@ -90,7 +89,7 @@ def exit_code(exc: BaseException, folder: Path) -> int:
     return 1
 
 
-def run_owned(coro):
+def run_owned(coro, young_gc: int = YOUNG_GC_THRESHOLD):
     """Run `coro` on a fresh uvloop loop as the process's main job: Ctrl-C raises
     KeyboardInterrupt and SIGTERM raises CancelledError here, each after the coroutine's own
     cleanup ran (for an Orchestrator: workers stopped, /dev/shm folder removed); signals after
@@ -99,7 +98,7 @@ def run_owned(coro):
     Everything alive before the run (imported modules, settings, tasks) is moved out of the
     garbage collector's sight first (gc.freeze), so a full collection does not walk it again,
     one event-loop stall at a time; while the run lasts, the young generation is collected
-    every YOUNG_GC_THRESHOLD allocations (the threshold is restored after)."""
+    every `young_gc` allocations (the threshold is restored after)."""
     received: list[int] = []
     try:
         import uvloop
@@ -108,7 +107,7 @@ def run_owned(coro):
     gc.collect()
     gc.freeze()
     threshold = gc.get_threshold()
-    gc.set_threshold(YOUNG_GC_THRESHOLD, *threshold[1:])
+    gc.set_threshold(young_gc, *threshold[1:])
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop if uvloop else None) as runner:
             return runner.run(_owning_process(coro, received))

@@ -259,7 +259,7 @@ class Orchestrator:
         self._lock = None
         self._redispatch: list[tuple[int, Task]] = []
         self._spent = 0.0  # wall seconds of the run before this process (resume)
-        self._process = process_reward.StepCredit(settings, self._send_continuations,
+        self._process = process_reward.StepCredit(settings, self._send_generates,
                                                   lambda task, text: self._scorer.score(task, text))
         if self._ckpt is not None:
             self._restore(state)
@@ -434,8 +434,7 @@ class Orchestrator:
             seed = sample_seed(self.settings.run.seed, sample.group_id, sample.index, sample.retries)
             msgs.append(wire.Generate(sample.request_id, sample.task.text, r.max_new_tokens,
                                       r.temperature, r.top_p, seed, sample.task.messages))
-        self._rollout_busy.up(len(msgs))
-        await self.rollout.send_many(msgs)
+        await self._send_generates(msgs)
 
     # ------------------------------------------------------------------ rollout side
 
@@ -557,7 +556,8 @@ class Orchestrator:
             sample.retries += 1
             self.counts.restarts += 1
 
-    async def _send_continuations(self, msgs: list[wire.Generate]) -> None:
+    async def _send_generates(self, msgs: list[wire.Generate]) -> None:
+        """Generates written together (a group's, or process reward's continuations), counted busy."""
         self._rollout_busy.up(len(msgs))
         await self.rollout.send_many(msgs)
 
@@ -822,7 +822,7 @@ class Orchestrator:
         """The requests of an eval not sent yet, one by one (a pool spreads them over its workers)."""
         while pending.sent < len(pending.requests):
             msg = pending.requests[pending.sent]
-            pending.sent += 1  # the frame is written before the first wait: sent, even if cancelled there
+            pending.sent += 1  # sent once asked for, even if cancelled while it waits (WorkerClient.send_many)
             self._rollout_busy.up()
             await self.rollout.send(msg)
 

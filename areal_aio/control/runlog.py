@@ -71,7 +71,7 @@ class RunLog:
     def rows(self, stream: str, rows: Iterable[dict]) -> None:
         """Several rows as one buffered piece (a step's samples). Each row's bytes are freed as
         soon as they are joined, so the heap reuses them; held one by one until the flush, each
-        row took fresh memory, which cost more than encoding it (README, Components)."""
+        row took fresh memory."""
         if data := b"".join([orjson.dumps(row, option=DUMPS) for row in rows]):
             self._add(stream, data)
 

@@ -7,9 +7,9 @@
 The train loop awaits one request at a time; `outstanding` counts the requests the trainer
 has not answered yet. A step is the link's from the moment its Train is written until its
 Trained is committed (through `commit`): when a stop cancels the train loop while the step is
-in flight, a reply that reaches the reader before it too is cancelled is kept (as late, or in
-the step's future when the cancel lands between the hand-over and the step resuming), and
-`settle` commits it (the trainer holds that version now) or reads the reply itself.
+in flight, a reply that reached the reader (before or after the step was cancelled, or just as
+it was) is kept until committed, and `settle` commits it (the trainer holds that version now)
+or reads the reply itself.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class TrainerLink:
         self._trained: asyncio.Future | None = None
         self._saved: asyncio.Future | None = None
         self._step: Any = None  # the step whose Train was sent and whose Trained is not committed
-        self._late: wire.Trained | None = None
+        self._taken: wire.Trained | None = None  # that step's Trained, once the reader has it
         self.outstanding = 0  # Train and Save messages the trainer has not answered yet
 
     async def train(self, msg: wire.Train, step: Any) -> wire.Trained:
@@ -71,24 +71,20 @@ class TrainerLink:
                     if waiter is None or (waiter.done() and not waiter.cancelled()):
                         raise self.trainer.failure(msg)
                     self.outstanding -= 1
+                    # a Trained is kept until committed: when a stop cancels the step before it
+                    # commits (a late reply is no fault), settle commits it instead
+                    if isinstance(msg, wire.Trained):
+                        self._taken = msg
                     if not waiter.done():
                         waiter.set_result(msg)
-                    elif isinstance(msg, wire.Trained):
-                        # the run is stopping and cancelled its step first: a late reply, not a
-                        # fault; the stop commits it (the trainer holds that version now)
-                        self._late = msg
                 case _:
                     raise self.trainer.failure(msg)
 
     async def settle(self) -> None:
         """At a stop (the reader gone): commit a step in flight, and read the replies to
         everything sent before the stop."""
-        if self._step is not None:  # a step in flight whose reply the reader already took
-            handed = self._trained if self._trained is not None and self._trained.done() else None
-            if self._late is not None:  # it came after the step was cancelled
-                self._finish(self._late)
-            elif handed is not None and not handed.cancelled():  # handed over, then the stop's
-                self._finish(handed.result())  # cancel reached the step before it could resume
+        if self._step is not None and self._taken is not None:  # the reader took its reply
+            self._finish(self._taken)
         while self.outstanding:
             await self._reply_at_stop()
 
@@ -113,6 +109,6 @@ class TrainerLink:
                 raise self.trainer.failure(msg)
 
     def _finish(self, trained: wire.Trained) -> None:
-        step, self._step = self._step, None
+        step, self._step, self._taken = self._step, None, None
         self.busy.down()
         self._commit(step, trained)

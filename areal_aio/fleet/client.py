@@ -74,7 +74,8 @@ class WorkerClient(Protocol):
         eval's request or a Train as sent once asked for, and waits for its reply. A PipeWorker
         writes them before its first wait; a RayWorker hands them to a task of their own. A
         RolloutPool keeps this for a call to one worker; a call that spans workers (a broadcast,
-        aborts) is written one worker after another, and a cancel can cut it short."""
+        aborts) is written one worker after another, and a cancel can cut it short: nothing
+        counts those frames, and only a stop cancels them (its Shutdown reaches every worker)."""
         ...
 
     async def recv(self) -> Any | None:

@@ -81,7 +81,7 @@ KILLED = -9
 class _FakeWorker:
     role: str
     returncode: int | None = None  # set once the fake "process" is gone
-    record: bool = True
+    record: bool  # False: keep no log (and no batches or saves: a real worker keeps none here)
     log: list[tuple[float, str, Any]]
     _out: asyncio.Queue
 

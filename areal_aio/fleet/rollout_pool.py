@@ -116,9 +116,8 @@ class RolloutPool:
         if generates:
             self._load[target] += generates
             self.busy[target].up(generates)
-        # one after another: a pipe with room never yields. Cancelled while it waits for one
-        # worker, the later workers' shares are not sent; only broadcasts and aborts span
-        # workers, and only a stop cancels them (its Shutdown reaches every worker).
+        # one after another: a pipe with room never yields (a cancel can cut a call that spans
+        # workers short: WorkerClient.send_many)
         for i, share in shares.items():
             try:
                 await self.workers[i].send_many(share)

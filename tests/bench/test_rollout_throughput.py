@@ -59,6 +59,8 @@ def test_a_model_folder_with_random_weights_and_a_chosen_method(tmp_path):
     for ops in results["ops"].values():  # --ops: the float32 engine and the int8 one, profiled
         assert set(ops["op_share"]) >= {"matmul", "attention"} and sum(ops["op_share"].values()) == pytest.approx(1)
         assert 0 <= ops["padding_free_bound"] <= ops["op_share"]["attention"] and 0 <= ops["padded_kv_columns"] < 1
+        # what the sums above cannot show: the profile found both classes of operator
+        assert ops["op_share"]["matmul"] > 0 and ops["op_share"]["attention"] > 0
         assert ops["stop_check_us"] > 0 and 0 < ops["stop_check_share"] < 1
     assert set(results["ops"]) == {"engine", "engine/int8"} and "padding-free attention saves at most" in proc.stdout
     bad = subprocess.run([sys.executable, "bench/rollout_throughput.py", "--quick", "--only", "engine,nope",

@@ -75,15 +75,13 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
     printed comes back either way, so a failing assert shows it."""
     t0 = time.perf_counter()
     try:
-        try:
-            _, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        _, err = proc.communicate(timeout=timeout)
+    except BaseException as exc:  # it would not stop, or the test was interrupted: end what it started
+        if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            _, err = proc.communicate()
-            err = f"[still running after {timeout}s; killed]\n{err}"
-    finally:
-        if proc.poll() is None:  # interrupted meanwhile: end what this test started all the same
-            os.killpg(proc.pid, signal.SIGKILL)
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            raise
+        err = f"[still running after {timeout}s; killed]\n{proc.communicate()[1]}"
     return proc.returncode, err, time.perf_counter() - t0
 
 

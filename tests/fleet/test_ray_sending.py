@@ -12,6 +12,7 @@ from tests.conftest import need
 need("ray")
 
 from areal_aio import wire  # noqa: E402
+from areal_aio.fleet.client import WorkerFailed  # noqa: E402
 from areal_aio.fleet.ray_workers import RayWorker  # noqa: E402
 from areal_aio.settings import build_settings  # noqa: E402
 
@@ -66,7 +67,7 @@ async def test_a_failed_send_is_raised_to_its_caller_and_to_nobody_else():
     sending = asyncio.ensure_future(worker.send(wire.Abort("x")))
     await settle()
     actor.calls[0][1].set_exception(ray_error())
-    with pytest.raises(Exception, match="rollout"):
+    with pytest.raises(WorkerFailed, match="rollout worker failed"):
         await sending
     reported = []
     asyncio.get_running_loop().set_exception_handler(lambda loop, context: reported.append(context))
