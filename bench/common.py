@@ -156,15 +156,14 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def run_loop(coro: Coroutine[Any, Any, Any], young_gc: int | None = None) -> Any:
+def run_loop(coro: Coroutine[Any, Any, Any]) -> Any:
     """Run a coroutine as `python -m areal_aio run` does (uvloop; SIGTERM and Ctrl-C cancel it,
     so the run in progress stops its workers and removes its /dev/shm folder); a signal ends
-    the process with 143 (SIGTERM) or 130 (Ctrl-C), and rerunning resumes the grid. `young_gc`:
-    the young generation's GC threshold meanwhile (None: a run's own)."""
-    from areal_aio.app.runner import YOUNG_GC_THRESHOLD, run_owned
+    the process with 143 (SIGTERM) or 130 (Ctrl-C), and rerunning resumes the grid."""
+    from areal_aio.app.runner import run_owned
 
     try:
-        return run_owned(coro, YOUNG_GC_THRESHOLD if young_gc is None else young_gc)
+        return run_owned(coro)
     except asyncio.CancelledError:
         _stderr("terminated; the interrupted cell reruns next time")
         raise SystemExit(143) from None

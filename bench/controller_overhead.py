@@ -44,6 +44,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
+from areal_aio.app import runner  # noqa: E402
 from areal_aio.control.controller import Orchestrator  # noqa: E402
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer  # noqa: E402
 from areal_aio.settings import MODES, Settings, build_settings  # noqa: E402
@@ -94,12 +95,12 @@ async def one_run(settings: Settings, folder: Path) -> dict:
     return summary
 
 
-def profile_run(settings: Settings, folder: Path, path: Path, young_gc: int | None) -> dict[str, Any]:
+def profile_run(settings: Settings, folder: Path, path: Path) -> dict[str, Any]:
     """One run under cProfile; writes the top functions (by own time and by cumulative) to `path`
     and returns the top functions and the share of own time per source file."""
     prof = cProfile.Profile()
     prof.enable()
-    run_loop(one_run(settings, folder), young_gc)
+    run_loop(one_run(settings, folder))
     prof.disable()
     text = io.StringIO()
     st = pstats.Stats(prof, stream=text)
@@ -155,10 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (QUICK_REPEATS if args.quick else REPEATS)
     settings = make_settings(steps, args.mode, args.group_size, args.batch_size)
     folder = args.out / "run"
-    run_loop(one_run(make_settings(WARMUP_STEPS, args.mode, args.group_size, args.batch_size), folder), args.young_gc)
+    if args.young_gc is not None:  # the constant, not an argument: controller_ab.sh runs this
+        runner.YOUNG_GC_THRESHOLD = args.young_gc  # bench on older packages, whose run_owned takes none
+
+    run_loop(one_run(make_settings(WARMUP_STEPS, args.mode, args.group_size, args.batch_size), folder))
     runs = []
     for i in range(repeats):
-        s = run_loop(one_run(settings, folder), args.young_gc)
+        s = run_loop(one_run(settings, folder))
         runs.append({k: s[k] for k in ("samples_accepted", "wall_s", "trajectories_per_s", "loop_lag_max_ms",
                                        "steps", "samples_admitted", "samples_dropped_stale")})
         print(f"  run {i + 1}/{repeats}: {s['trajectories_per_s']:,.0f} trajectories/s, "
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": repeats, "trajectories_per_s_median": median, "loop_lag_max_ms": lag,
         "target_trajectories_per_s": TARGET, "meets_target": median >= TARGET, "runs": runs}
     if args.profile:
-        results["profile"] = profile_run(settings, folder, args.out / "profile.txt", args.young_gc)
+        results["profile"] = profile_run(settings, folder, args.out / "profile.txt")
     write_json(args.out / "results.json", results)
 
     print_table(["run", "trained", "admitted", "dropped stale", "wall s", "traj/s", "loop lag max ms"],

@@ -89,7 +89,7 @@ def exit_code(exc: BaseException, folder: Path) -> int:
     return 1
 
 
-def run_owned(coro, young_gc: int = YOUNG_GC_THRESHOLD):
+def run_owned(coro):
     """Run `coro` on a fresh uvloop loop as the process's main job: Ctrl-C raises
     KeyboardInterrupt and SIGTERM raises CancelledError here, each after the coroutine's own
     cleanup ran (for an Orchestrator: workers stopped, /dev/shm folder removed); signals after
@@ -98,7 +98,7 @@ def run_owned(coro, young_gc: int = YOUNG_GC_THRESHOLD):
     Everything alive before the run (imported modules, settings, tasks) is moved out of the
     garbage collector's sight first (gc.freeze), so a full collection does not walk it again,
     one event-loop stall at a time; while the run lasts, the young generation is collected
-    every `young_gc` allocations (the threshold is restored after)."""
+    every YOUNG_GC_THRESHOLD allocations (the threshold is restored after)."""
     received: list[int] = []
     try:
         import uvloop
@@ -107,7 +107,7 @@ def run_owned(coro, young_gc: int = YOUNG_GC_THRESHOLD):
     gc.collect()
     gc.freeze()
     threshold = gc.get_threshold()
-    gc.set_threshold(young_gc, *threshold[1:])
+    gc.set_threshold(YOUNG_GC_THRESHOLD, *threshold[1:])
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop if uvloop else None) as runner:
             return runner.run(_owning_process(coro, received))

@@ -15,6 +15,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from areal_aio.app import runner
 from areal_aio.control.controller import Orchestrator
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
 from areal_aio.settings import load_settings
@@ -237,7 +238,8 @@ async def test_grid_reruns_a_cancelled_cell_and_records_failures(tmp_path):
 # ---------------------------------------------------------------------- the programs
 
 
-def test_controller_overhead_quick_reports_a_positive_rate(tmp_path, capsys):
+def test_controller_overhead_quick_reports_a_positive_rate(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(runner, "YOUNG_GC_THRESHOLD", runner.YOUNG_GC_THRESHOLD)  # --young-gc sets it
     assert controller_overhead.main(["--quick", "--young-gc", "700", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["young_gc_threshold"] == 700
