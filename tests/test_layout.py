@@ -6,14 +6,15 @@ Every import between the package's modules counts, at the top of a module or ins
 `if TYPE_CHECKING:` blocks are left out. An outside package counts where it is imported at a
 module's top; inside a function it counts unless the module is one of LAZY_HEAVY, whose heavy
 imports sit in functions only the workers call. A last test imports the controller's side in a
-fresh interpreter and looks for torch in sys.modules. `workers/` is read as
-`areal_aio.workers`, the name it ships under."""
+fresh interpreter and looks for torch in sys.modules. The modules are those pyproject ships, each
+read from the folder it maps (`workers/` as `areal_aio.workers`)."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -36,16 +37,23 @@ REMOTE = ("areal_aio.fleet.ray_workers",)
 worker loads; the controller imports them only when ray.address is set)."""
 
 
+def packages() -> dict[str, Path]:
+    """Each package pyproject ships, and the folder it is read from (its package-dir mapping)."""
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = setup.get("package-dir", {})
+    out = {}
+    for package in setup["packages"]:
+        top = max((m for m in mapped if package == m or package.startswith(m + ".")), key=len, default="")
+        rest = package.removeprefix(top).strip(".").split(".") if package != top else []
+        out[package] = ROOT.joinpath(mapped[top] if top else "", *[p for p in rest if p])
+    return out
+
+
 def modules() -> dict[str, Path]:
     found = {}
-    for top, folder in (("areal_aio", ROOT / "areal_aio"), ("areal_aio.workers", ROOT / "workers")):
-        for path in folder.rglob("*.py"):
-            if top == "areal_aio" and path.is_relative_to(folder / "workers"):
-                continue
-            parts = list(path.relative_to(folder).with_suffix("").parts)
-            if parts[-1] in ("__init__", "__main__"):
-                parts = parts[:-1] + ([] if parts[-1] == "__init__" else ["__main__"])
-            found[".".join([top, *parts])] = path
+    for package, folder in packages().items():
+        for path in folder.glob("*.py"):
+            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
     return found
 
 
@@ -102,6 +110,16 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
 def graph() -> dict[str, set[str]]:
     known = modules()
     return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def test_every_package_folder_ships_and_none_is_a_link():
+    """pyproject lists the packages (a mapped folder cannot be found by setuptools' find): a
+    folder left out of the list would be missing from the wheel. No file has two paths."""
+    listed = {folder.resolve() for folder in packages().values()}
+    folders = {init.parent.resolve() for top in ("areal_aio", "workers") for init in (ROOT / top).rglob("__init__.py")}
+    assert folders == listed, sorted(map(str, folders ^ listed))
+    links = [str(p) for top in ("areal_aio", "workers") for p in (ROOT / top).rglob("*") if p.is_symlink()]
+    assert not links, links
 
 
 def test_the_walk_sees_the_package(graph):

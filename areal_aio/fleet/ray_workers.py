@@ -34,8 +34,9 @@ preflight makes too), then joined in a thread of its own within CONNECT_TIMEOUT_
 retrying an address where no cluster answers, and would hold the event loop (and its SIGTERM)
 meanwhile. ray.init in the main thread installs a SIGTERM handler of its own (sys.exit): the
 one it replaced is put back, so SIGTERM stops a run on Ray as it stops a local one.
-areal_aio must be importable on every node (installed there, or on PYTHONPATH), and model.path
-valid on each (an embedded model or a hub id is prepared on each node when its actor starts).
+areal_aio must be installed on every node (a checkout on PYTHONPATH alone lacks areal_aio.workers,
+which the installation maps to its workers/ folder), and model.path valid on each (an embedded
+model or a hub id is prepared on each node when its actor starts).
 """
 
 from __future__ import annotations
