@@ -142,18 +142,18 @@ def check_episode(settings: Settings) -> None:
 
 
 def check_sandbox(settings: Settings) -> None:
-    """A run that executes the model's programs (a code task, the code reward) needs some
-    isolation: namespaces or a uid of each program's own (rewards/sandbox.py, probed once)."""
+    """A run that executes the model's programs (a code task, the code reward) needs the sandbox's
+    isolation (rewards/sandbox.py, probed once): without it every program would be refused."""
     if settings.task.name not in CODE_TASKS and CODE_REWARD not in repr(settings.task.reward):
         return
     from areal_aio.rewards import sandbox
 
     lay = sandbox.layers()
-    if not lay.namespaces and not lay.uid:
+    if lay.mode is None:
         why = "; ".join(lay.notes)[-300:] or "; ".join(lay.open)
-        raise PreflightError(f"task.reward: the sandbox has no isolation on this machine (no namespaces, no "
-                             f"uid switch: needs root or unprivileged user namespaces), and model programs "
-                             f"would run as you ({why})")
+        raise PreflightError(f"task.reward: the sandbox has no isolation on this machine (it needs util-linux "
+                             f"unshare, and root or unprivileged user namespaces), so it would refuse every "
+                             f"program ({why})")
 
 
 def check_out(folder: Path, key: str) -> None:
@@ -175,7 +175,8 @@ def check_out(folder: Path, key: str) -> None:
 
 
 def check_model(spec: str, key: str = "model.path") -> None:
-    from areal_aio.workers.models import ADAPTER_CONFIG, EMBEDDED, adapter_base
+    from areal_aio.store.model_cache import EMBEDDED
+    from areal_aio.workers.models import ADAPTER_CONFIG, adapter_base
 
     if spec.startswith("embedded:"):
         if spec not in EMBEDDED:

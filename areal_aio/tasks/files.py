@@ -134,7 +134,7 @@ def _row_problem(row: object) -> str:
     if "tests" in row:  # a code task: judged by its tests (rewards/code.py), an answer optional
         from areal_aio.rewards.code import tests_problem
 
-        if problem := tests_problem(row["tests"], row.get("entry_point")):
+        if problem := tests_problem(row["tests"], row.get("entry_point"), row.get("packages")):
             return problem
         if "answer" not in row:
             return ""

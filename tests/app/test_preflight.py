@@ -103,11 +103,11 @@ def test_generated_code_tasks_give_the_code_reward_its_columns(files, capsys, na
 def test_code_tasks_are_refused_where_the_sandbox_isolates_nothing(files, capsys, monkeypatch):
     from areal_aio.rewards import sandbox
 
-    monkeypatch.setattr(sandbox, "layers", lambda: sandbox.Layers(None, (), False, notes=("unshare: denied",)))
+    monkeypatch.setattr(sandbox, "layers", lambda: sandbox.Layers(None, notes=("userns: unshare: denied",)))
     assert main(check("task.name=code")) == 2
     assert "task.reward: the sandbox has no isolation on this machine" in capsys.readouterr().err
     assert main(check()) == 0  # arithmetic runs no program
-    monkeypatch.setattr(sandbox, "layers", lambda: sandbox.Layers(None, (), True))  # a uid of its own
+    monkeypatch.setattr(sandbox, "layers", lambda: sandbox.Layers("userns"))  # a user ns of its own
     assert main(check("task.name=code")) == 0
 
 

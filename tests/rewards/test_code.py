@@ -142,11 +142,96 @@ def test_check_code_passes_a_correct_function_and_fails_a_wrong_one():
     assert not score(ADD_CHECK, fenced("def add(a, b):\n    raise ValueError")).passed
 
 
-def test_the_record_run_never_sees_what_the_asserts_compare_with():
-    module, param = code.check_source(CHECK, "add")
-    stripped = code.strip_asserts(module, param)
-    assert "candidate(1, 2)" in stripped and "== 3" not in stripped and "0.75" not in stripped
-    assert "message" not in stripped
+SECRET = 918_273_645_501
+TABLE = ("CASES = [((1, 2), 3), ((10, -4), 6), ((SECRET, 1), SECRET + 1)]\n"
+         "def check(candidate):\n    for args, want in CASES:\n        assert candidate(*args) == want\n"
+         ).replace("SECRET", str(SECRET))
+"""A table-driven check: the values compared with sit in the test's frames and globals."""
+SNOOP = ("import gc, sys\n"
+         "def add(a, b):\n"
+         "    seen = []\n"
+         "    f = sys._getframe(1)\n"
+         "    while f is not None:\n"
+         "        seen += [v for v in list(f.f_locals.values()) + list(f.f_globals.values())]\n"
+         "        f = f.f_back\n"
+         "    seen += [o for o in gc.get_objects() if isinstance(o, (list, dict, tuple))]\n"
+         "    hit = ''.join(reversed('DIGITS')) in repr(seen)\n"
+         "    print('found' if hit else 'not found')\n"
+         "    return a + b\n").replace("DIGITS", str(SECRET + 1)[::-1])
+"""A program that looks for an expected value it is never sent (SECRET + 1) in every frame above
+it and every object (its source holds the digits reversed, so only a copy it is handed matches)."""
+
+
+def test_the_programs_process_never_holds_what_the_tests_compare_with():
+    task = Task("table", "", "", {"tests": TABLE, "entry_point": "add"})
+    assert score(task, fenced("def add(a, b):\n    return a + b")).passed
+    outcome = sandbox.run(code.harness({"mode": "serve", "program": SNOOP, "entry_point": "add"}),
+                          driver=code.driver({"prefix": "", "tests": TABLE, "entry_point": "add"}))
+    assert outcome.stdout == b"not found\n" * 3, outcome
+    assert code.read_results(outcome) == [{"passed": True, "error": ""}]
+
+
+def test_the_program_cannot_reach_the_drivers_memory_or_its_verdict():
+    """The driver is another process (another uid, not dumpable): no /proc/<pid>/mem, fd, environ,
+    no ptrace, no process_vm_readv; killing it or writing fd 3 gives no verdict, never a pass."""
+    probe = ("import ctypes, os, signal\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+             "def add(a, b):\n"
+             "    for pid in [p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]:\n"
+             "        for what in ('mem', 'environ', 'fd/3', 'maps'):\n"
+             "            try:\n"
+             "                open(f'/proc/{pid}/{what}', 'rb').read(1)\n"
+             "                print('READ', pid, what)\n"
+             "            except OSError:\n"
+             "                pass\n"
+             "        if libc.ptrace(16, int(pid), 0, 0) == 0:\n"
+             "            print('ATTACHED', pid)\n"
+             "    try:\n"
+             "        os.write(3, b'{\"passed\": true}\\n')\n"
+             "    except OSError:\n"
+             "        pass\n"
+             "    return 0\n")
+    outcome = sandbox.run(code.harness({"mode": "serve", "program": probe, "entry_point": "add"}),
+                          driver=code.driver({"prefix": "", "tests": TABLE, "entry_point": "add"}))
+    assert b"READ" not in outcome.stdout and b"ATTACHED" not in outcome.stdout, outcome.stdout
+    assert code.read_results(outcome)[0]["passed"] is False
+    killer = "import os, signal\ndef add(a, b):\n    os.kill(-1, signal.SIGKILL)\n    return 0\n"
+    assert not score(Task("t", "", "", {"tests": TABLE, "entry_point": "add"}), fenced(killer)).passed
+
+
+def test_an_exception_comes_back_as_its_built_in_type():
+    tests = ("def check(candidate):\n    try:\n        candidate(-1)\n    except ValueError:\n        pass\n"
+             "    else:\n        assert False, 'no error'\n    assert candidate(4) == 2\n")
+    task = Task("sqrt", "", "", {"tests": tests, "entry_point": "root"})
+    assert score(task, fenced("def root(x):\n    if x < 0:\n        raise ValueError('negative')\n"
+                               "    return int(x ** 0.5)")).passed
+    assert not score(task, fenced("def root(x):\n    if x < 0:\n        raise KeyError(x)\n    return 2")).passed
+    swallow = ("def check(candidate):\n    try:\n        candidate(1)\n    except BaseException:\n        pass\n")
+    task = Task("swallow", "", "", {"tests": swallow, "entry_point": "f"})
+    assert not score(task, fenced("import os\ndef f(x):\n    os._exit(0)")).passed  # a broken pipe is no pass
+
+
+def test_deeply_nested_output_scores_zero_and_never_raises():
+    deep = "def add(a, b):\n    v = []\n    for _ in range(5000):\n        v = [v]\n    return v\n"
+    assert score(ADD, fenced(deep)) == Score(0.0, False)
+    assert score(ADD_CHECK, fenced(deep)) == Score(0.0, False)
+    raw = ("import os\nline = b'{\"i\": 0, \"value\": ' + b'[' * 990 + b']' * 990 + b'}\\n'\n"
+           "os.write(3, line)\ndef add(a, b):\n    return a + b\n")
+    assert score(ADD, fenced(raw)) == Score(0.0, False)
+    nested = b'{"i": 0, "error": ' + b"[" * 990 + b"]" * 990 + b"}\n"
+    assert code.read_results(sandbox.Outcome(status="exited", results=nested)) == []
+
+
+def test_a_program_sees_only_the_packages_its_task_names():
+    numpy_add = fenced("import numpy\ndef add(a, b):\n    return int(numpy.add(a, b))")
+    assert not score(ADD, numpy_add).passed
+    with_numpy = Task("add", "", "", {**ADD.extra, "packages": ["numpy"]})
+    assert score(with_numpy, numpy_add).passed
+    gym = fenced("import reasoning_gym\ndef add(a, b):\n    return a + b")
+    assert not score(with_numpy, gym).passed
+    assert code.tests_problem(ADD_TESTS, "add", ["reasoning_gym"]) == \
+        "packages: package 'reasoning_gym' cannot be given to a program"
+    assert "not installed" in code.tests_problem(ADD_TESTS, "add", ["no_such_package_here"])
+    assert code.tests_problem(ADD_TESTS, "add", ["numpy"]) is None
 
 
 @pytest.mark.parametrize("body", [
@@ -156,9 +241,9 @@ def test_the_record_run_never_sees_what_the_asserts_compare_with():
     "import sys\ndef add(a, b):\n    consts = sys._getframe(1).f_code.co_consts\n"
     "    return next((c for c in consts if isinstance(c, int) and c not in (a, b)), 0)",  # reads the test
     "import os\nos.write(3, b'{\"passed\": true}\\n')\ndef add(a, b):\n    return 0",  # a forged verdict
-    "import os\nos.write(3, b'{\"key\": [[1, 2], {\"$dict\": []}], \"value\": 3}\\n')\nos._exit(0)",  # half forged
+    "import os\nos.write(3, b'{\"value\": 3}\\n' * 3)\ndef add(a, b):\n    return 0",  # answers ahead of the calls
     "import sys\nprint('ALL TESTS PASSED')\nsys.exit(0)\ndef add(a, b):\n    return a + b",
-], ids=["always-equal", "reads-caller", "forged-verdict", "forged-records", "exit-before"])
+], ids=["always-equal", "reads-caller", "forged-verdict", "answers-ahead", "exit-before"])
 def test_tricks_against_check_code_score_zero(body):
     assert score(ADD_CHECK, fenced(body)) == Score(0.0, False)
 
@@ -169,7 +254,7 @@ def test_bare_asserts_calling_the_entry_point_work_too():
     assert not score(task, fenced("def add(a, b):\n    return 3")).passed
 
 
-def test_random_inputs_in_a_check_replay_identically():
+def test_random_inputs_in_a_check_are_the_tests_own():
     tests = ("import random\ndef check(candidate):\n    for _ in range(20):\n"
              "        x = random.randint(0, 100)\n        assert candidate(x) == x * 2\n")
     task = Task("rand", "", "", {"tests": tests, "entry_point": "double"})
@@ -181,7 +266,7 @@ def test_random_inputs_in_a_check_replay_identically():
 
 
 def test_a_sandbox_that_cannot_start_is_a_counted_failure_never_a_pass(monkeypatch):
-    monkeypatch.setattr(sandbox, "_layers", sandbox.Layers("/nonexistent/unshare", ("pid",), True))
+    monkeypatch.setattr(sandbox, "_layers", sandbox.Layers("root", "/nonexistent/unshare", ("pid",)))
     for task in (ADD, ADD_CHECK):
         assert score(task, fenced("def add(a, b):\n    return a + b")) == Score(0.0, False, failed=True)
 
