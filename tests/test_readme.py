@@ -1,27 +1,35 @@
-"""README's commands and its embedding example are real."""
+"""README's commands and examples are real, and so are the examples of the docs pages (docs/),
+wherever a block now lives: each is found by the HTML comment marker just before it."""
 
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
+from areal_aio.settings import build_settings
 from tests.conftest import ROOT as ROOT
 
 README = (ROOT / "README.md").read_text()
 
 
-def block_after(marker: str) -> str:
-    match = re.search(re.escape(marker) + r"\s*```[a-z]*\n(.*?)```", README, re.DOTALL)
+def page(name: str) -> str:
+    """A docs page's Markdown source."""
+    return (ROOT / "docs" / name).read_text()
+
+
+def block_after(marker: str, text: str = README) -> str:
+    match = re.search(re.escape(marker) + r"\s*```[a-z]*\n(.*?)```", text, re.DOTALL)
     assert match, marker
     return match.group(1)
 
 
-def run_example(folder, marker: str) -> subprocess.CompletedProcess:
-    """The Python example after `marker`, run as a script in `folder` beside settings.toml;
-    it must exit 0."""
-    (folder / "example.py").write_text(block_after(marker))
+def run_example(folder, marker: str, text: str = README) -> subprocess.CompletedProcess:
+    """The Python example after `marker` in `text`, run as a script in `folder` beside
+    settings.toml; it must exit 0."""
+    (folder / "example.py").write_text(block_after(marker, text))
     shutil.copy(ROOT / "settings.toml", folder / "settings.toml")
     done = subprocess.run([sys.executable, "example.py"], cwd=folder, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -39,6 +47,24 @@ def test_readme_has_both_commands_and_ci_runs_the_test_one():
     assert "README.md" in (ROOT / ".ci" / "run").read_text()
 
 
+def test_settings_example_is_valid():
+    """README's settings example: every key real and every value allowed, as the file and as the
+    --set line beside it."""
+    example = tomllib.loads(block_after("<!-- settings-example -->"))
+    from_file = build_settings(example)
+    assert from_file.rollout.device == from_file.trainer.device == "cuda"
+    line = re.search(r"`python -m areal_aio run settings.toml((?: --set \S+)+)`", README)
+    assert line, "the --set line beside the settings example"
+    overrides = line.group(1).split(" --set ")[1:]
+    from_line = build_settings({}, overrides)
+    for section in ("rollout", "trainer"):  # the example's [run] keys are its own, not the line's
+        assert getattr(from_line, section) == getattr(from_file, section), section
+
+
+def test_docs_embedding_page_has_the_readme_example():
+    assert block_after("<!-- embed-example -->", page("embedding.md")) == block_after("<!-- embed-example -->")
+
+
 @pytest.mark.slow
 def test_embedding_example_runs(tmp_path):
     done = run_example(tmp_path, "<!-- embed-example -->")
@@ -51,7 +77,7 @@ def test_episode_example_runs(tmp_path):
     """The multi-turn example: a calculator episode trained on tiny-random, its rows with turns."""
     import orjson
 
-    done = run_example(tmp_path, "<!-- episode-example -->")
+    done = run_example(tmp_path, "<!-- episode-example -->", page("episodes.md"))
     assert "trained 2 steps; 0 episodes failed" in done.stdout
     samples = [orjson.loads(x) for x in (tmp_path / "runs" / "episode-demo" / "samples.jsonl")
                .read_bytes().splitlines()]
@@ -59,10 +85,12 @@ def test_episode_example_runs(tmp_path):
 
 
 def test_own_task_and_reward_example_passes_check(tmp_path):
-    """The settings, rows and reward module of "Your own task and reward" are checked as a user would."""
-    (tmp_path / "settings.toml").write_text(block_after("<!-- byo-settings -->"))  # defaults elsewhere
-    (tmp_path / "tasks.jsonl").write_text(block_after("<!-- byo-rows -->"))
-    (tmp_path / "my_rewards.py").write_text(block_after("<!-- byo-reward -->"))
+    """The settings, rows and reward module of "Your own task and reward" (docs/tasks-and-rewards.md)
+    are checked as a user would."""
+    text = page("tasks-and-rewards.md")
+    (tmp_path / "settings.toml").write_text(block_after("<!-- byo-settings -->", text))  # defaults elsewhere
+    (tmp_path / "tasks.jsonl").write_text(block_after("<!-- byo-rows -->", text))
+    (tmp_path / "my_rewards.py").write_text(block_after("<!-- byo-reward -->", text))
     done = subprocess.run([sys.executable, "-m", "areal_aio", "check", "settings.toml"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
