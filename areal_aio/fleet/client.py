@@ -211,7 +211,7 @@ async def ensure_model(spec: str) -> float:
     Runs `python -m areal_aio.workers.models prepare` in a subprocess that prints what it
     does, so this process never imports torch. A cached model costs nothing.
     """
-    from areal_aio.workers.models import is_cached
+    from areal_aio.store.model_cache import is_cached
 
     if is_cached(spec):
         return 0.0

@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+from areal_aio.store import model_cache
 from areal_aio.workers import models
 
 
@@ -33,18 +34,10 @@ def test_unknown_embedded_name_is_a_clear_error():
         models.prepare("embedded:nope")
 
 
-def test_cache_dir_follows_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("AREAL_AIO_CACHE", str(tmp_path / "c"))
-    assert models.cache_dir() == tmp_path / "c"
-    monkeypatch.delenv("AREAL_AIO_CACHE")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert models.cache_dir() == tmp_path / "x" / "areal_aio"
-
-
 @pytest.mark.slow
 def test_embedded_smollm2_converts_once_then_loads_from_cache():
     models.prepare(models.SMOLLM2)  # downloads and converts on a fresh machine (~25 s), else nothing
-    assert models.is_cached(models.SMOLLM2)
+    assert model_cache.is_cached(models.SMOLLM2)
     t0 = time.perf_counter()
     again = subprocess.run([sys.executable, "-m", "areal_aio.workers.models", "prepare", models.SMOLLM2],
                            capture_output=True, text=True, timeout=120)
