@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import glob
 import json
 import os
@@ -86,7 +87,9 @@ SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 SITE_GLOBS = ("python*/site-packages", "python*/dist-packages", "lib*/python*/site-packages",
               "lib*/python*/dist-packages", "local/lib*/python*/site-packages", "local/lib*/python*/dist-packages")
-"""Package folders inside a bound folder: each is covered by an empty tmpfs."""
+"""Package folders inside a bound folder where find(1) is missing: each is covered by an empty tmpfs."""
+PACKAGE_STORES = ("site-packages", "dist-packages", "node_modules")
+"""Folders that hold installed packages and their data: covered wherever they are in what is bound."""
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
        "PYTHONDONTWRITEBYTECODE": "1", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
        "MKL_NUM_THREADS": "1"}
@@ -440,8 +443,7 @@ def root_binds() -> tuple[list[tuple[str, str, str]], list[tuple[str, str]], lis
         binds.append((python, python, "file"))
     binds += [(os.path.realpath(f), f, "file") for f in SYSTEM_FILES if os.path.isfile(f)]
     binds += [(dev, dev, "dev") for dev in DEVICES if os.path.exists(dev)]
-    packages = {hit for root in dirs for pattern in SITE_GLOBS for hit in glob.glob(os.path.join(root, pattern))}
-    packages |= set(_site_dirs())
+    packages = set(package_folders(tuple(dirs))) | set(_site_dirs())
     callers = {os.getcwd(), *sys.path, os.environ.get("AREAL_AIO_CACHE", ""), os.path.expanduser("~")}
     callers = {os.path.realpath(p) for p in callers if p and os.path.isdir(p)}
     needed = [stdlib, python]  # a caller's folder that holds these (or lies in the stdlib) stays
@@ -449,6 +451,21 @@ def root_binds() -> tuple[list[tuple[str, str, str]], list[tuple[str, str]], lis
     cover = {os.path.realpath(p) for p in packages if os.path.isdir(p)} | callers
     cover = {p for p in cover if _under(p, dirs) and p not in dirs}
     return binds, links, sorted(cover)
+
+
+@functools.lru_cache(maxsize=4)
+def package_folders(dirs: tuple[str, ...]) -> tuple[str, ...]:
+    """Every folder named like a package store (PACKAGE_STORES) inside `dirs`, at any depth (a
+    tool's bundled Python under /usr/lib too): found once per process, by find(1) (about a second
+    for a full /usr), else by SITE_GLOBS."""
+    expr = [arg for name in PACKAGE_STORES for arg in ("-o", "-name", name)][1:]
+    try:
+        done = subprocess.run(["find", *dirs, "-xdev", "-type", "d", "(", *expr, ")", "-prune", "-print"],
+                              capture_output=True, timeout=120, check=False)
+        found = done.stdout.decode(errors="replace").splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        found = [hit for root in dirs for pattern in SITE_GLOBS for hit in glob.glob(os.path.join(root, pattern))]
+    return tuple(sorted(os.path.realpath(p) for p in found if os.path.isdir(p)))
 
 
 def _under(path: str, dirs: list[str]) -> bool:

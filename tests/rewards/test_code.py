@@ -271,6 +271,12 @@ def test_a_sandbox_that_cannot_start_is_a_counted_failure_never_a_pass(monkeypat
         assert score(task, fenced("def add(a, b):\n    return a + b")) == Score(0.0, False, failed=True)
 
 
+def test_where_nothing_isolates_programs_the_reward_refuses_and_counts_it(monkeypatch):
+    monkeypatch.setattr(sandbox, "_layers", sandbox.Layers(None, open=("nothing isolates programs here",)))
+    for task in (ADD, ADD_CHECK):
+        assert score(task, fenced("def add(a, b):\n    return a + b")) == Score(0.0, False, failed=True)
+
+
 def test_malformed_tests_are_an_error_not_a_score():
     with pytest.raises(ValueError):
         reward(ADD, "x", tests=[{"nothing": 1}])

