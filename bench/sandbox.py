@@ -1,98 +1,142 @@
-"""Sandbox throughput: programs per second through rewards/sandbox.py vs a bare `python -c`.
+"""Sandbox cost: seconds per program through rewards/sandbox.py against a bare interpreter start.
 
-    bare:      subprocess.run([python, "-c", PROGRAM])              (the floor: one interpreter start)
-    no ns:     sandbox.run(PROGRAM), uid + rlimits only             (session, uid, limits, pipes)
-    sandbox:   sandbox.run(PROGRAM) with every layer this machine has (+ pid/net/mount/ipc/uts ns, mounts)
+    bare:        subprocess.run([python, "-c", PROGRAM])        (a user's interpreter: its venv, site)
+    bare -I -S:  subprocess.run([base python, "-I", "-S", ...])  (the start the sandbox itself makes)
+    program:     sandbox.run(PROGRAM)                             (one program, every layer)
+    function:    rewards.code: call tests, one run                (the harness + 3 calls)
+    check:       rewards.code: assert-style test code, one run    (the driver + the serving program)
 
 Every arm runs one program at a time on one core (the process and its children pinned to it),
-so the numbers are per core. Arms are interleaved (bare, no ns, sandbox, then the next repeat
-in rotated order) so a machine whose load drifts shifts every arm alike; the table gives each
-arm's median over the repeats and the sandbox's cost relative to bare (target: at most 2x).
+so the numbers are per core. Arms are interleaved (each repeat in rotated order) so a machine
+whose load drifts shifts every arm alike; the table gives each arm's median over the repeats and
+its cost relative to `bare` (target: every sandboxed style within 2x). With --as-user (root
+only) the same arms run again as that unprivileged uid (the sandbox then uses a user namespace
+of its own), in the same sitting.
 
-    python bench/sandbox.py                    # 7 repeats of 40 programs
-    python bench/sandbox.py --quick            # 3 repeats of 10
+    python bench/sandbox.py                         # 7 repeats of 20 programs, as this user
+    python bench/sandbox.py --as-user 65534         # ... and as nobody
+    python bench/sandbox.py --quick                 # 3 repeats of 5
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from areal_aio.rewards import sandbox  # noqa: E402
+from areal_aio.rewards import code, sandbox  # noqa: E402
 from bench.common import print_table, write_json  # noqa: E402
 
 PROGRAM = "print(sum(range(1000)))"
 """A program that does next to nothing: what is measured is the cost of running one."""
+FUNCTION = "def add(a, b):\n    return a + b\n"
+CALL_TESTS = [{"args": [1, 2], "output": 3}, {"args": [10, -4], "output": 6}, {"args": [0, 0], "output": 0}]
+CHECK = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(10, -4) == 6\n" \
+        "    assert candidate(0, 0) == 0\n"
 TARGET_RATIO = 2.0
 """Sandbox seconds per program / bare seconds per program."""
 
 
-def bare(n: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
+def arms() -> dict[str, Callable[[], None]]:
+    base = sandbox.interpreter()
+
+    def bare() -> None:
         done = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, check=True)
         assert done.stdout == b"499500\n"
-    return time.perf_counter() - t0
 
+    def bare_isolated() -> None:
+        done = subprocess.run([base, "-I", "-S", "-c", PROGRAM], capture_output=True, check=True)
+        assert done.stdout == b"499500\n"
 
-def through(layers: sandbox.Layers, n: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
-        out = sandbox._run(PROGRAM, b"", sandbox.WALL_S, sandbox.Limits(), layers)
+    def program() -> None:
+        out = sandbox.run(PROGRAM)
         assert out.status == "exited" and out.stdout == b"499500\n", out
-    return time.perf_counter() - t0
+
+    def function() -> None:
+        assert code.run_function_tests(FUNCTION, "add", CALL_TESTS) == (True, "")
+
+    def check() -> None:
+        assert code.run_check_tests(FUNCTION, CHECK, "add") == (True, "")
+
+    return {"bare": bare, "bare -I -S": bare_isolated, "program": program, "function": function, "check": check}
+
+
+def measure(n: int, repeats: int, core: int) -> dict[str, list[float]]:
+    """{arm: [seconds per program, one a repeat]}, arms interleaved and rotated."""
+    os.sched_setaffinity(0, {core})
+    table = arms()
+    for fn in table.values():  # warm-up: page cache, the layers' probe, the filter
+        fn()
+    seconds: dict[str, list[float]] = {name: [] for name in table}
+    names = list(table)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                table[name]()
+            seconds[name].append((time.perf_counter() - t0) / n)
+    return seconds
+
+
+def as_user(uid: int, n: int, repeats: int, core: int) -> dict:
+    """measure() run by `uid` (tests/rewards/as_user.py makes the interpreter reachable)."""
+    from tests.rewards.as_user import json_as
+
+    return json_as(f"import json, sys\nsys.path.insert(0, {str(REPO)!r})\nfrom bench import sandbox as b\n"
+                   f"from areal_aio.rewards import sandbox\n"
+                   f"s = b.measure({n}, {repeats}, {core})\n"
+                   f"print(json.dumps({{'seconds': s, 'layers': sandbox.layers().as_dict()}}))", uid=uid, timeout=3600)
+
+
+def summary(seconds: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    floor = statistics.median(seconds["bare"])
+    return {name: {"ms": 1000 * statistics.median(s), "min_ms": 1000 * min(s), "max_ms": 1000 * max(s),
+                   "vs_bare": statistics.median(s) / floor} for name, s in seconds.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--programs", type=int, default=None, help="programs per arm and repeat (default 40)")
+    ap.add_argument("--programs", type=int, default=None, help="programs per arm and repeat (default 20)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 7)")
     ap.add_argument("--core", type=int, default=None, help="the core to pin to (default: the last one allowed)")
-    ap.add_argument("--quick", action="store_true", help="3 repeats of 10 programs")
+    ap.add_argument("--as-user", type=int, default=None, help="also run every arm as this uid (root only)")
+    ap.add_argument("--quick", action="store_true", help="3 repeats of 5 programs")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "sandbox")
     args = ap.parse_args(argv)
-    n = args.programs or (10 if args.quick else 40)
+    n = args.programs or (5 if args.quick else 20)
     repeats = args.repeats or (3 if args.quick else 7)
     core = args.core if args.core is not None else max(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {core})
-    full = sandbox.layers()
-    arms = {"bare": lambda: bare(n), "sandbox": lambda: through(full, n)}
-    if full.namespaces:
-        no_ns = dataclasses.replace(full, unshare=None, namespaces=(), hidden=())
-        arms = {"bare": arms["bare"], "no ns": lambda: through(no_ns, n), "sandbox": arms["sandbox"]}
-    for fn in arms.values():  # warm-up: page cache, the layers' probe
-        fn()
-    seconds: dict[str, list[float]] = {name: [] for name in arms}
-    names = list(arms)
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            seconds[name].append(arms[name]())
-    rate = {name: n / statistics.median(s) for name, s in seconds.items()}
-    ratio = rate["bare"] / rate["sandbox"]
-    rows = [[name, f"{rate[name]:.1f}", f"{1000 / rate[name]:.1f}",
-             f"{min(n / s for s in seconds[name]):.1f}-{max(n / s for s in seconds[name]):.1f}",
-             f"{rate['bare'] / rate[name]:.2f}x"] for name in arms]
-    print_table(["arm", "programs/s", "ms/program", "range", "cost vs bare"], rows,
-                title=f"sandbox throughput, one core (cpu {core}), {repeats} interleaved repeats of {n} programs "
-                      f"(median)\nlayers: namespaces {'+'.join(full.namespaces) or 'none'}, "
-                      f"uid {'on' if full.uid else 'off'}, rlimits on")
-    ok = ratio <= TARGET_RATIO
-    print(f"target: sandbox at most {TARGET_RATIO:g}x bare: {ratio:.2f}x, {'met' if ok else 'MISSED'}")
-    layers = full.as_dict()  # the folders bound back are this machine's paths: their count only
-    layers["kept"] = f"{len(full.kept)} folder(s) of the Python interpreter, bound back read-only"
+    users = {f"uid {os.geteuid()}": {"seconds": measure(n, repeats, core), "layers": sandbox.layers().as_dict()}}
+    if args.as_user is not None:
+        users[f"uid {args.as_user}"] = as_user(args.as_user, n, repeats, core)
+    met = True
+    results = {}
+    for who, got in users.items():
+        table = summary(got["seconds"])
+        results[who] = {"mode": got["layers"]["mode"], "seccomp": got["layers"]["seccomp"], "arms": table,
+                        "seconds": got["seconds"]}
+        print_table(["arm", "ms/program", "range", "cost vs bare"],
+                    [[name, f"{t['ms']:.1f}", f"{t['min_ms']:.1f}-{t['max_ms']:.1f}", f"{t['vs_bare']:.2f}x"]
+                     for name, t in table.items()],
+                    title=f"{who} (sandbox mode {got['layers']['mode']}), one core (cpu {core}), "
+                          f"{repeats} interleaved repeats of {n} programs (median)")
+        worst = max(table[a]["vs_bare"] for a in ("program", "function", "check"))
+        met = met and worst <= TARGET_RATIO
+        print(f"target: every sandboxed style at most {TARGET_RATIO:g}x bare: worst {worst:.2f}x")
     write_json(args.out / "results.json", {
-        "program": PROGRAM, "programs": n, "repeats": repeats, "core": core, "layers": layers,
-        "programs_per_s": rate, "seconds": seconds, "ratio": ratio, "target_ratio": TARGET_RATIO, "met": ok})
+        "program": PROGRAM, "programs": n, "repeats": repeats, "core": core, "target_ratio": TARGET_RATIO,
+        "met": met, "users": results})
     print(f"wrote {args.out / 'results.json'}", file=sys.stderr)
+    print(json.dumps({"met": met}))
     return 0
 
 

@@ -30,6 +30,7 @@ The sandbox failing to start is not the program's fault: Score(failed=True), cou
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import json
 import math
@@ -374,10 +375,16 @@ _main()
 '''
 
 
+@functools.lru_cache(maxsize=2)
+def _codec_source() -> tuple[str, str]:
+    """encode's and decode's source, read once (inspect reads and tokenizes the file)."""
+    return inspect.getsource(encode), inspect.getsource(decode)
+
+
 def _source(template: str, data: dict[str, Any]) -> str:
+    enc, dec = _codec_source()
     return (HEADER + template).format(max_depth=MAX_DEPTH, max_int_bits=MAX_INT_BITS, max_line=sandbox.MAX_OUTPUT,
-                                      encode=inspect.getsource(encode), decode=inspect.getsource(decode),
-                                      data=json.dumps(data))
+                                      encode=enc, decode=dec, data=json.dumps(data))
 
 
 def harness(data: dict[str, Any]) -> str:

@@ -314,7 +314,6 @@ def arrange(fds):
         os.dup2(s, t)
     os.closerange(max(fds) + 1, 1 << 16)
 def fcntl_dup(fd):
-    import fcntl
     return fcntl.fcntl(fd, fcntl.F_DUPFD, 100)
 def start(role, code_fd, fds):
     pid = os.fork()
@@ -357,7 +356,7 @@ def start(role, code_fd, fds):
         finally:
             os._exit(status & 0xFF)
 try:
-    import site
+    import fcntl, random, site, traceback  # imported once here, before the forks: not per process
     site.setquit()  # exit() and quit(), which the interpreter's -S leaves out
     build_root("/tmp")
     null = os.open("/dev/null", os.O_RDONLY)
@@ -423,7 +422,20 @@ def root_binds() -> tuple[list[tuple[str, str, str]], list[tuple[str, str]], lis
     the interpreter's lib/ and binary, the system's programs and libraries, a few /etc files and
     /dev nodes. Covered: every package folder inside them, and the caller's own folders (its
     working folder, sys.path, the model cache) where they lie inside one (/usr/src/app)."""
+    binds, links, cover, dirs, needed = _static_root()
+    callers = {os.getcwd(), *sys.path, os.environ.get("AREAL_AIO_CACHE", ""), os.path.expanduser("~")}
+    callers = {os.path.realpath(p) for p in callers if p and os.path.isdir(p)}
+    # a caller's folder that holds the stdlib or the interpreter (or lies in the stdlib) stays
+    callers = {p for p in callers if _under(p, dirs) and p not in dirs and not _under(p, [needed[0]])
+               and not any(_under(n, [p]) for n in needed)}
+    return binds, links, sorted(set(cover) | callers)
 
+
+@functools.lru_cache(maxsize=1)
+def _static_root() -> tuple[list[tuple[str, str, str]], list[tuple[str, str]], tuple[str, ...], list[str],
+                            tuple[str, str]]:
+    """root_binds' part that depends on the installation alone, found once per process: (binds,
+    links, covered package folders, bound folders, (stdlib, interpreter))."""
     dirs: list[str] = []
     links: list[tuple[str, str]] = []
     for top in SYSTEM_DIRS:
@@ -444,13 +456,9 @@ def root_binds() -> tuple[list[tuple[str, str, str]], list[tuple[str, str]], lis
     binds += [(os.path.realpath(f), f, "file") for f in SYSTEM_FILES if os.path.isfile(f)]
     binds += [(dev, dev, "dev") for dev in DEVICES if os.path.exists(dev)]
     packages = set(package_folders(tuple(dirs))) | set(_site_dirs())
-    callers = {os.getcwd(), *sys.path, os.environ.get("AREAL_AIO_CACHE", ""), os.path.expanduser("~")}
-    callers = {os.path.realpath(p) for p in callers if p and os.path.isdir(p)}
-    needed = [stdlib, python]  # a caller's folder that holds these (or lies in the stdlib) stays
-    callers = {p for p in callers if not _under(p, [stdlib]) and not any(_under(n, [p]) for n in needed)}
-    cover = {os.path.realpath(p) for p in packages if os.path.isdir(p)} | callers
-    cover = {p for p in cover if _under(p, dirs) and p not in dirs}
-    return binds, links, sorted(cover)
+    cover = {os.path.realpath(p) for p in packages if os.path.isdir(p)}
+    cover = tuple(sorted(p for p in cover if _under(p, dirs) and p not in dirs))
+    return binds, links, cover, dirs, (stdlib, python)
 
 
 @functools.lru_cache(maxsize=4)
