@@ -13,8 +13,17 @@ entry, as a run would), so any HF folder, embedded spec or run folder is scored 
 run scored its versions. It writes eval.json, and its workers' logs beside it, where `eval_file`
 says: --out, the run folder scored, or runs/eval-<time>-<pid>/.
 
+Inside a run, the Evaluator runs them:
+
+    train loop --start(step, version)--> [eval-<step>] task: requests --send--> rollout workers
+        (the baseline on version 0 and the final eval are awaited; the others run beside training)
+    rollout reader --Completion--> in_flight.deliver (an Evals): the eval's answers, by request id
+    every answer in --> scored --> its row: samples.jsonl, the eval curve, events, the event
+        stream, the Keeper (a new best), run.threshold (a pass rate at or above it stops the run)
+    an interrupted stop --> finish: the evals in flight are completed (EVAL_AT_STOP_TIMEOUT_S)
+
 An in-run eval is a PendingEval from its first request to its row, kept in the run's Evals
-(not in the task that awaits it): a stop can finish it (controller._finish_evals). An episode
+(not in the task that awaits it): a stop can finish it (Evaluator.finish). An episode
 eval's replies are asked for one at a time as its episodes go (Evals.expect); what its
 episodes would still ask is not known at a stop, so a stop runs that eval again from its
 start, within the same bound (its row says which versions answered).
@@ -30,7 +39,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -48,6 +57,16 @@ from areal_aio.rewards.scoring import (
 from areal_aio.settings import Settings, SettingsError, load_settings, resolved_settings
 from areal_aio.tasks.sources import eval_tasks
 from areal_aio.tasks.task import Task
+
+if TYPE_CHECKING:
+    from areal_aio.control.keeping import Keeper
+    from areal_aio.control.runlog import RunLog
+    from areal_aio.control.stats import Counts
+
+EVAL_AT_STOP_TIMEOUT_S = 60.0
+"""How long an interrupted run waits for the evals it had in flight (training rollouts aborted,
+the rollout workers answer only them): an in-run eval is greedy and short; one that takes longer
+is lost rather than holding Ctrl-C for minutes."""
 
 
 def requests(eval_set: list[Task], step: int, settings: Settings) -> list[wire.Generate]:
@@ -123,7 +142,7 @@ def sample_rows(step: int, eval_set: list[Task], completions: list[wire.Completi
 class PendingEval:
     """One in-run eval from its first request to its row. It lives in `Evals`, not in the task
     that runs it, so a stop that cancels that task can still finish it (the controller's
-    _finish_evals): which requests are sent, which answers are in."""
+    Evaluator.finish): which requests are sent, which answers are in."""
 
     def __init__(self, step: int, version: int, requests: list[wire.Generate]) -> None:
         self.step, self.version, self.requests = step, version, requests
@@ -180,6 +199,188 @@ class Evals:
         self.open.pop(pending.step, None)
         for msg in pending.requests:
             self._of.pop(msg.request_id, None)
+
+
+class Evaluator:
+    """The run's held-out evals, from their start to their row; owns the eval curve and the time
+    to threshold, and the evals in flight (`in_flight`, whose `deliver` the rollout reader calls).
+
+    Given what it reads and calls, never the controller: the Keeper (which version each eval
+    started on, the best eval), the counters (eval tokens); `send(msg)` hands one Generate to
+    the rollout workers (counted busy), `publish(row)` puts a row on the event stream,
+    `on_threshold()` asks the run to stop; `commit_wall` (version -> the run's wall seconds at
+    its commit, kept by the controller) and `clock()` (the run's wall seconds now) stamp a row.
+    The run log and the scorer come once the run has opened them (`attach`)."""
+
+    def __init__(self, settings: Settings, eval_set: list[Task], episode: episodes.Episode | None,
+                 keeper: Keeper, counts: Counts, *, send: Callable[[wire.Generate], Awaitable[None]],
+                 publish: Callable[[dict], None], on_threshold: Callable[[], None],
+                 commit_wall: dict[int, float], clock: Callable[[], float],
+                 curve: list[dict] | None = None, time_to_threshold: float | None = None) -> None:
+        self.settings = settings
+        self.eval_set = eval_set
+        self.episode = episode
+        self.keeper = keeper
+        self.counts = counts
+        self._send_one = send
+        self._publish = publish
+        self._on_threshold = on_threshold
+        self._commit_wall = commit_wall
+        self._clock = clock
+        self.curve: list[dict] = curve if curve is not None else []  # one row per eval, as it ends
+        self.time_to_threshold = time_to_threshold
+        # held-out evals between their first request and their row (outlive a stop)
+        self.in_flight = Evals()
+        self.tasks: set[asyncio.Task] = set()  # the evals running beside training (eval-<step>)
+        self.log: RunLog | None = None  # set by attach
+        self.scorer: Scorer | None = None
+
+    def attach(self, log: RunLog, scorer: Scorer) -> None:
+        """The run's log and scorer, once open (before the baseline eval)."""
+        self.log, self.scorer = log, scorer
+
+    # ------------------------------------------------------------------ during the run
+
+    def start(self, tg: asyncio.TaskGroup, step: int, version: int) -> None:
+        """The eval of `step` (on `version`) as a task of the run, beside training."""
+        task = tg.create_task(self.run(step, version), name=f"eval-{step}")
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def ran(self, step: int) -> bool:
+        """The eval of `step` has its row."""
+        return any(row["step"] == step for row in self.curve)
+
+    async def last(self, tg: asyncio.TaskGroup, step: int, version: int) -> None:
+        """The final eval (unless that step's ran or is running), then every eval still running."""
+        if not self.ran(step) and not any(t.get_name() == f"eval-{step}" for t in self.tasks):
+            self.start(tg, step, version)
+        if self.tasks:
+            await asyncio.gather(*self.tasks)
+
+    async def run(self, step: int, version: int) -> None:
+        """Greedy answers on the held-out set; never enters training. A stop that cancels this
+        leaves the eval open: `finish` completes it. An episode run's eval is greedy episodes."""
+        if self.episode is not None:
+            await self._run_episodes(step, version)
+            return
+        pending = self.in_flight.begin(step, version, requests(self.eval_set, step, self.settings))
+        self.keeper.eval_starts[step] = version
+        await self._send(pending)
+        await pending.answered.wait()
+        await self._record(pending)
+
+    async def _run_episodes(self, step: int, version: int, label: str = "") -> None:
+        """One greedy episode per held-out task (run_episodes). A stop that cancels it leaves it
+        in Evals.interrupted: `finish` runs it again (label "s": new request ids, the cancelled
+        replies are aborted)."""
+        self.keeper.eval_starts[step] = version
+        try:
+            done = await run_episodes(self.episode, self.eval_set, step, self.settings,
+                                      self.scorer, self._ask, label)
+        except asyncio.CancelledError:
+            self.in_flight.interrupted[step] = version
+            raise
+        self._row(step, version, done.completions, done.scores, done.turns, episode_failures=done.failures)
+
+    async def _ask(self, msg: wire.Generate) -> wire.Completion:
+        """One reply of an episode eval: sent, then awaited (the rollout reader delivers it)."""
+        answer = self.in_flight.expect(msg.request_id)
+        try:
+            await self._send_one(msg)
+            return await answer
+        finally:
+            self.in_flight.forget(msg.request_id)  # cancelled: aborted by the stop (take_abandoned)
+
+    async def _send(self, pending: PendingEval) -> None:
+        """The requests of an eval not sent yet, one by one (a pool spreads them over its workers)."""
+        while pending.sent < len(pending.requests):
+            msg = pending.requests[pending.sent]
+            pending.sent += 1  # sent once asked for, even if cancelled while it waits (WorkerClient.send_many)
+            await self._send_one(msg)
+
+    async def _record(self, pending: PendingEval) -> None:
+        """An eval with every answer in: scored, then its row everywhere it goes."""
+        completions = pending.answers
+        scores = await score(self.scorer, self.eval_set, completions)
+        self.in_flight.end(pending)
+        self._row(pending.step, pending.version, completions, scores)
+
+    def _row(self, step: int, version: int, completions: list[wire.Completion], scores: list[Score],
+             turns: list[list[dict]] | None = None, **extra: Any) -> None:
+        """A finished eval's row, everywhere it goes: samples, eval curve, events, best, threshold."""
+        del self.keeper.eval_starts[step]
+        self.counts.eval_tokens += sum(len(c.completion_ids) for c in completions)
+        # With interrupts on, an eval answer can finish under newer weights than it started with;
+        # the row is stamped with the newest version used, at the time that version was committed.
+        newest = max(version, *(c.newest_version for c in completions))
+        oldest = min((c.oldest_version for c in completions if c.versions), default=version)
+        row = {"step": step, "version": newest, "wall_s": round(self._commit_wall[newest], 3),
+               "done_s": round(self._clock(), 3), **rates(scores),
+               "versions": [oldest, newest], **extra}
+        self.log.rows("samples", sample_rows(step, self.eval_set, completions, scores, turns))
+        self.keeper.evaluated(row)  # a new best: exported by the train loop (or at the stop)
+        self.curve.append(row)
+        self.log.events.info("eval", **row)
+        self._publish({"kind": "eval", **row})
+        threshold = self.settings.run.threshold
+        if threshold > 0 and row["pass_rate"] >= threshold:
+            if self.time_to_threshold is None or row["wall_s"] < self.time_to_threshold:
+                self.time_to_threshold = row["wall_s"]
+            self._on_threshold()
+
+    # ------------------------------------------------------------------ at a stop
+
+    @property
+    def unfinished(self) -> bool:
+        """Evals in flight, or episode evals a stop cancelled: what `finish` would complete."""
+        return bool(self.in_flight.open or self.in_flight.interrupted)
+
+    def cancel(self) -> None:
+        """The stop begins: the eval tasks end (their evals stay in flight for `finish`)."""
+        for task in list(self.tasks):
+            task.cancel()
+
+    def take_abandoned(self) -> list[str]:
+        """The episode eval replies given up since the last call (their requests to abort)."""
+        abandoned, self.in_flight.abandoned = self.in_flight.abandoned, []
+        return abandoned
+
+    async def finish(self, read: Callable[[], Awaitable[None]], stop_generating: Callable[[], Awaitable[None]]) -> None:
+        """An interrupted run finishes the evals it had in flight, within EVAL_AT_STOP_TIMEOUT_S,
+        before it writes model/ and its final checkpoint (so their rows are in it): they measure
+        the weights they started on, which a resume no longer has. Training rollouts and
+        continuations are aborted first (`stop_generating`); the run's rollout reader was
+        cancelled, so `read` runs one here. An eval not finished in time (or a worker that fails
+        now) is lost and logged."""
+        evals = list(self.in_flight.open.values())
+        reruns, self.in_flight.interrupted = self.in_flight.interrupted, {}
+        reader = asyncio.create_task(read(), name="rollout_reader_at_stop")
+        answered = asyncio.ensure_future(asyncio.gather(*(e.answered.wait() for e in evals)))
+        episode_evals: list[asyncio.Future] = []
+        done: asyncio.Future | None = None
+        try:
+            async with asyncio.timeout(EVAL_AT_STOP_TIMEOUT_S):
+                await stop_generating()  # before the reader runs: it drops training answers
+                for pending in evals:
+                    await self._send(pending)
+                episode_evals = [asyncio.ensure_future(self._run_episodes(step, version, "s"))
+                                 for step, version in reruns.items()]
+                done = asyncio.ensure_future(asyncio.gather(answered, *episode_evals))
+                await asyncio.wait([reader, done], return_when=asyncio.FIRST_COMPLETED)
+                if reader.done():
+                    reader.result()  # a worker that failed meanwhile: raised here
+                done.result()
+                for pending in evals:
+                    await self._record(pending)
+        except Exception as exc:  # noqa: BLE001 - the stop goes on without the eval
+            lost = [e.step for e in self.in_flight.open.values()] + [step for step in reruns if not self.ran(step)]
+            self.log.events.info("eval_lost", steps=lost, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            waited = [answered, reader, *episode_evals, *([done] if done is not None else [])]
+            for task in waited:
+                task.cancel()
+            await asyncio.gather(*waited, return_exceptions=True)
 
 
 # ---------------------------------------------------------------- the eval command

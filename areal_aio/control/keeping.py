@@ -5,8 +5,8 @@
     at a stop (trainer alive):   link.settle (a step in flight is committed) --> model/ --> best/
                                  --> a final checkpoint; then the trainer is stopped and the
                                  temp folders of a write it cut short are removed
-    resume:                      the checkpoint's best and resumes come back here, the rest
-                                 in the controller (Orchestrator.run_state is its part)
+    resume:                      the checkpoint's best and resumes come back here; the
+                                 controller is built from its part (RunState)
 
 A checkpoint is the controller's state at one instant after a commit, then the trainer's part
 of that same version (no Train is sent until it is saved: the train loop awaits each Save, a
@@ -24,23 +24,26 @@ eval row (`evaluated`), so it knows which row an export's version scored.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import orjson
 
 from areal_aio.control.runlog import RunLog
+from areal_aio.control.stats import Counts
 from areal_aio.control.trainer_link import TrainerLink
 from areal_aio.fleet.client import WorkerFailed
 from areal_aio.rewards.pool import RewardPoolBroken
 from areal_aio.settings import Settings
 from areal_aio.store import checkpoint
 from areal_aio.store.weights import WeightStore
+from areal_aio.tasks.task import Task
 
 STOP_SAVE_TIMEOUT_S = 600.0
 """At a stop the trainer may first finish a step in flight, then writes model/ and a checkpoint:
@@ -55,6 +58,60 @@ class Position:
 
     step: int
     version: int
+
+
+@dataclass(slots=True)
+class RunState:
+    """The controller's part of a checkpoint, at one instant after a commit (Keeper.state adds
+    the best eval, the resumes, the row files' sizes and the settings); a fresh run starts from
+    the defaults. A resumed controller is built from it: the clock, counters and eval curve
+    come back, the groups admitted but not trained (`open_groups`) are dispatched again first
+    (same group ids, tasks and sampling seeds: the samples they lost in flight are counted as
+    lost_in_flight), then the task stream continues after the `consumed` tasks."""
+
+    step: int = 0  # the last committed step
+    version: int = 0  # the policy clock (staleness.Admission)
+    trained: int = 0  # samples trained so far (staleness.Admission)
+    consumed: int = 0  # tasks taken from the source (a resume skips them)
+    next_group: int = 0  # the id the next admitted group gets
+    wall_s: float = 0.0  # wall seconds of the run so far (the processes before this one)
+    open_groups: dict[int, Task] = field(default_factory=dict)  # group id -> its task (groups.Groups)
+    counts: Counts = field(default_factory=Counts)
+    eval_curve: list[dict] = field(default_factory=list)  # the eval rows (evaluation.Evaluator)
+    commit_wall: dict[int, float] = field(default_factory=lambda: {0: 0.0})  # version -> wall_s at its commit
+    time_to_threshold: float | None = None
+    max_trained_staleness: int = 0
+    busy: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "trainer": 0.0})  # seconds busy
+    process: dict[str, Any] | None = None  # the process reward's counters (rewards.process.StepCredit)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As a checkpoint stores it (JSON: string keys, tasks as dicts)."""
+        counts, hist = self.counts.state()
+        return {
+            "step": self.step, "version": self.version, "trained": self.trained, "consumed": self.consumed,
+            "next_group": self.next_group, "wall_s": self.wall_s,
+            "open_groups": [{"group": gid, "task": dataclasses.asdict(task)}
+                            for gid, task in sorted(self.open_groups.items())],
+            "counts": counts, "staleness_hist": hist,
+            "eval_curve": self.eval_curve, "commit_wall": {str(k): v for k, v in self.commit_wall.items()},
+            "time_to_threshold": self.time_to_threshold, "max_trained_staleness": self.max_trained_staleness,
+            "busy": self.busy, "process": self.process}
+
+    @classmethod
+    def of(cls, ckpt: checkpoint.Checkpoint | None) -> RunState:
+        """Where a run starts: the checkpoint's controller state, or a fresh run's."""
+        if ckpt is None:
+            return cls()
+        state = ckpt.state
+        return cls(
+            step=state["step"], version=state.get("version", 0), trained=state.get("trained", 0),
+            consumed=state["consumed"], next_group=state["next_group"], wall_s=state["wall_s"],
+            open_groups={g["group"]: Task(**g["task"]) for g in state["open_groups"]},
+            counts=Counts.from_state(state["counts"], state["staleness_hist"]),
+            eval_curve=list(state["eval_curve"]),
+            commit_wall={int(k): v for k, v in state["commit_wall"].items()},
+            time_to_threshold=state["time_to_threshold"], max_trained_staleness=state["max_trained_staleness"],
+            busy=dict(state["busy"]), process=state.get("process"))
 
 
 def resume_from(resume: str | Path | checkpoint.Checkpoint | None, settings: Settings) -> checkpoint.Checkpoint | None:

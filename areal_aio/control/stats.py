@@ -29,6 +29,7 @@ from typing import Any
 
 from areal_aio import wire
 from areal_aio.fleet.client import WorkerFailed
+from areal_aio.rewards.pool import RewardPoolBroken
 from areal_aio.rewards.scoring import Score, component_means
 from areal_aio.settings import Settings
 
@@ -142,7 +143,7 @@ class Busy:
 
 def sample_row(s: Any, *, staleness: int | None = None, step: int | None = None,
                dropped: str | None = None) -> dict[str, Any]:
-    """The samples.jsonl row of a training sample (controller.Sample), trained or dropped."""
+    """The samples.jsonl row of a training sample (groups.Sample), trained or dropped."""
     c = s.completion
     return {
         "kind": "train", "request_id": s.request_id, "group": s.group_id, "task_id": s.task.id,
@@ -241,6 +242,19 @@ def finished_by_itself(summary: dict[str, Any]) -> bool:
     if not isinstance(summary, dict) or summary.get("error") is not None:
         return False
     return summary.get("ended", "completed") in ENDINGS and summary.get("ended") != "interrupted"
+
+
+def worker_failure(error: BaseException | None) -> WorkerFailed | RewardPoolBroken | None:
+    """The WorkerFailed (or RewardPoolBroken) inside a TaskGroup's ExceptionGroup, if that is
+    what ended the run."""
+    if isinstance(error, (WorkerFailed, RewardPoolBroken)):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for exc in error.exceptions:
+            found = worker_failure(exc)
+            if found is not None:
+                return found
+    return None
 
 
 def cause(exc: BaseException) -> str:

@@ -399,9 +399,9 @@ async def test_a_cancel_during_an_episode_eval_runs_it_again_within_the_bound(tm
     """SIGTERM's path (the run task cancelled) while the baseline eval's episodes wait on replies:
     the stop aborts those replies and runs the eval again from its start (new request ids), so
     its row is kept; past the stop's eval bound it is logged as lost instead, and the run ends."""
-    from areal_aio.control import controller
+    from areal_aio.control import evaluation
 
-    monkeypatch.setattr(controller, "EVAL_AT_STOP_TIMEOUT_S", bound_s)
+    monkeypatch.setattr(evaluation, "EVAL_AT_STOP_TIMEOUT_S", bound_s)
     rollout = watching(ReplyRollout, lambda m: isinstance(m, wire.Abort))(tokens=100, token_delay_s=delay_s)
     orch = orchestrator(tmp_path, make_settings("areal"), rollout=rollout, episode=two_replies)
     run = asyncio.create_task(orch.run())

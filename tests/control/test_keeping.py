@@ -4,18 +4,19 @@ settings, the trainer link, the controller's clock as two callables), never the 
 from __future__ import annotations
 
 import ast
+from types import SimpleNamespace
 
 import orjson
 
 from areal_aio import wire
 from areal_aio.control import keeping
 from areal_aio.control.runlog import RunLog
-from areal_aio.control.stats import Busy
+from areal_aio.control.stats import Busy, Counts
 from areal_aio.control.trainer_link import TrainerLink
 from areal_aio.fleet.fakes import FakeTrainer
 from areal_aio.store import checkpoint
 from areal_aio.store.weights import WeightStore
-from tests.conftest import ROOT, make_settings
+from tests.conftest import ROOT, make_settings, tasks
 
 
 def test_keeping_does_not_import_the_controller():
@@ -46,3 +47,20 @@ async def test_a_keeper_writes_model_and_a_checkpoint_from_what_it_is_given(tmp_
     info = orjson.loads((tmp_path / "run" / "model" / "areal_aio.json").read_bytes())
     assert info["version"] == 1 and info["step"] == 1 and info["eval"]["pass_rate"] == 0.5
     assert checkpoint.latest(tmp_path / "run").version == 1 and trainer.returncode == 0
+
+
+def test_the_controllers_part_of_a_checkpoint_comes_back_as_it_was_saved():
+    counts = Counts(admitted=16, generated=14, dropped_stale=2)
+    counts.trained(40, [0, 1, 1, 2])
+    first, second = tasks(2, start=9)
+    state = keeping.RunState(
+        step=3, version=3, trained=12, consumed=9, next_group=11, wall_s=12.5,
+        open_groups={10: second, 9: first}, counts=counts,
+        eval_curve=[{"step": 2, "version": 2, "wall_s": 4.0, "pass_rate": 0.5}],
+        commit_wall={0: 0.0, 1: 2.0, 2: 4.0, 3: 6.0}, time_to_threshold=4.0, max_trained_staleness=2,
+        busy={"rollout": 10.0, "trainer": 5.0}, process={"requests": 1, "tokens": 8})
+    saved = orjson.loads(orjson.dumps(state.to_dict()))  # as a checkpoint writes and reads it
+    assert [g["group"] for g in saved["open_groups"]] == [9, 10]  # dispatched again in admission order
+    assert keeping.RunState.of(SimpleNamespace(state=saved)) == state
+    fresh = keeping.RunState.of(None)
+    assert fresh == keeping.RunState() and fresh.step == fresh.version == 0 and fresh.commit_wall == {0: 0.0}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from areal_aio import wire
-from areal_aio.control.controller import Sample
+from areal_aio.control.groups import Sample
 from areal_aio.control.progress import Progress, pick
 from areal_aio.rewards.scoring import Score
 from areal_aio.tasks.task import Task
