@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.common import write_json
+
 
 def first(curve: list[dict], level: float) -> tuple[float | None, int | None]:
     """(wall s, step) of the first eval at or above `level`, or (None, None)."""
@@ -93,14 +95,17 @@ def draw_times(ax: Any, rows: list[dict], arms: list[str], colors: dict[str, Any
 
 def report_args(doc: str, arms: str, threshold: float, max_wall_s: float) -> argparse.Namespace:
     """The command line both reports take: OUT, then the grid's --threshold, --seeds, --arms and
-    --max-wall-s as the grid's script ran them, and the levels read off the runs (0.70 and the
-    threshold)."""
+    --max-wall-s as the grid's script ran them, the --command to record, and the levels read off
+    the runs (0.70 and the threshold)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--threshold", type=float, default=threshold)
     ap.add_argument("--seeds", default="0 1 2")
     ap.add_argument("--arms", default=arms)
     ap.add_argument("--max-wall-s", type=float, default=max_wall_s)
+    ap.add_argument("--command", default=None,
+                    help="the command line the results file records (the grid's script passes its own; "
+                         "default this one)")
     args = ap.parse_args()
     args.levels = sorted({0.70, args.threshold})
     return args
@@ -114,8 +119,9 @@ def grid_command(script: str, args: argparse.Namespace) -> str:
 
 def save_report(args: argparse.Namespace, name: str, data: dict[str, Any], rows: list[dict],
                 plot: Callable[[Path], None]) -> None:
-    """OUT/<name>.json (`data`), OUT/<name>.png (`plot(path)`, when there are runs), the summary on stdout."""
-    (args.out / f"{name}.json").write_text(json.dumps(data, indent=1))
+    """OUT/<name>.json (`data` and its provenance, the command args.command or this one),
+    OUT/<name>.png (`plot(path)`, when there are runs), the summary on stdout."""
+    write_json(args.out / f"{name}.json", data, command=args.command)
     if rows:
         plot(args.out / f"{name}.png")
     print(json.dumps(data["summary"], indent=1))

@@ -11,9 +11,11 @@
 # the first and the last 5 trained steps, and the same for the first and the last held-out eval
 # (greedy; a calculator run's eval runs its episodes, tool turns included); from summary.json
 # the steps, the episode failures and the eval curve (README, Multi-turn episodes and tools;
-# bench/results/cpu/calculator.json).
+# bench/results/epyc-2core/calculator.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the command line as given (and the knobs below as the environment set them), for the results file
+COMMAND="$(for v in EXTRA; do [ -z "${!v+set}" ] || printf '%s=%s ' "$v" "${!v@Q}"; done)bash bench/calculator.sh${*:+ ${*@Q}}"
 OUT="${1:-bench/out/calculator}"
 WALL="${2:-1800}"
 EXTRA="${EXTRA:-}"
@@ -26,11 +28,13 @@ calculator=$!
 trap 'kill -TERM $single $calculator 2>/dev/null || true' INT TERM
 wait $single
 wait $calculator
-python - "$OUT" "$WALL" <<'PY'
+python - "$OUT" "$WALL" "$COMMAND" <<'PY'
 import json, statistics, sys
 from pathlib import Path
+sys.path.insert(0, ".")
+from bench.common import write_json
 
-out, wall = Path(sys.argv[1]), float(sys.argv[2])
+out, wall, command = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 EDGE = 5  # steps at each end of a run
 
 
@@ -69,9 +73,9 @@ for arm in ("single", "calculator"):
                  "last_eval": window([r for r in rows if r.get("kind") == "eval"
                                                and curve and r["step"] == curve[-1]["step"]]),
                  "eval_curve": [{"step": e["step"], "pass_rate": e["pass_rate"]} for e in curve]}
-(out / "calculator.json").write_text(json.dumps(
-    {"command": "bash bench/calculator.sh", "mode": "areal", "seed": 0, "wall_s_each": wall,
-     "concurrent": True, "edge_steps": EDGE, "arms": arms}, indent=1))
+write_json(out / "calculator.json",
+           {"command": "bash bench/calculator.sh", "mode": "areal", "seed": 0, "wall_s_each": wall,
+            "concurrent": True, "edge_steps": EDGE, "arms": arms}, command=command)
 print(json.dumps({a: {k: v for k, v in r.items() if k != "eval_curve"} for a, r in arms.items()}, indent=1))
 print(f"wrote {out / 'calculator.json'}", file=sys.stderr)
 PY

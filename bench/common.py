@@ -1,4 +1,5 @@
-"""What the run-grid benchmarks share: a resumable grid of real runs, the loop, tables, plots.
+"""What the run-grid benchmarks share: a resumable grid of real runs, the loop, tables, plots;
+and what every bench shares: the results writer, which records where a result came from.
 
     cells (name, overrides) --load_settings--> Settings --run_fn--> DIR/runs/<name>/summary.json
 
@@ -10,17 +11,31 @@ other folder (an interrupted, failed or differently configured run) is
 deleted and the cell is rerun from scratch. A run that raises is recorded as
 failed and the grid goes on, so one bad cell does not lose a night's grid;
 Ctrl-C stops the grid (the interrupted cell reruns next time).
+
+Every results file goes through `write_json`, which adds a top-level "provenance" block
+(`provenance()`): the command line, the commit and whether tracked files differed from it, the
+date (UTC), the machine (CPU and its vector flags, cores, RAM, GPU and driver), the environment
+variables that change figures, and the versions of python, torch and transformers. Files in
+bench/results older than the writer carry a block recovered from git ("recovered": true: the
+commit that added the file and its date, the machine folder; null for what is no longer known).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import platform
+import re
+import shlex
 import shutil
+import subprocess
 import sys
 import tomllib
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -228,9 +243,125 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], title: st
         print("  ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(row, widths, strict=True))))
 
 
-def write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: dict[str, Any], *, command: str | None = None) -> None:
+    """Write a results file: `data` plus a top-level "provenance" (see `provenance`; `command`
+    is the command line to record, default this process's). Every bench writes through here."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+    record = {**data, "provenance": provenance(command)}
+    path.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY
+                                | orjson.OPT_NON_STR_KEYS))
+
+
+# ---------------------------------------------------------------------- provenance
+
+RESULT_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS",
+              "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+"""Environment variables that change a bench's figures without showing on its command line
+(an ISA cap, a thread count, the GPUs seen): recorded when set."""
+CPU_FLAGS = re.compile(r"avx.*|amx.*|fma|f16c")
+"""The CPU flags kept (the vector and matrix units the matmul kernels pick from); the rest are counted."""
+PROBE_TIMEOUT_S = 10
+"""git and nvidia-smi are asked once per results file; a hung one must not hold the bench's results back."""
+
+
+def provenance(command: str | None = None) -> dict[str, Any]:
+    """Where a result came from: the command line (`command`, default this process's; paths
+    inside the repository made relative, as a results file travels between machines), the git
+    commit and whether tracked files differed from it, the date (UTC), the machine, the
+    environment variables of RESULT_ENV that are set, and the versions of python, torch and
+    transformers. Imports neither torch nor transformers (a package not installed is None)."""
+    commit, dirty = _git_state()
+    command = command_line(sys.argv[0], sys.argv[1:]) if command is None else command
+    return {"command": command.replace(f"{REPO}{os.sep}", ""),
+            "commit": commit, "dirty": dirty,
+            "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "machine": machine(),
+            "env": {name: os.environ[name] for name in RESULT_ENV if name in os.environ},
+            "versions": {"python": platform.python_version(), "torch": _version("torch"),
+                         "transformers": _version("transformers")}}
+
+
+def command_line(script: str | Path, argv: Sequence[str] | None = None) -> str:
+    """`python SCRIPT ARGV...` as a shell takes it, SCRIPT relative to the repository; argv
+    defaults to this process's (a bench's main(argv) passes the argv it parsed)."""
+    return shlex.join(["python", str(shown_path(script)), *(sys.argv[1:] if argv is None else argv)])
+
+
+def machine() -> dict[str, Any]:
+    """The CPU (model, the flags of CPU_FLAGS, how many flags in all), cores (all, and those this
+    process may use), RAM and the GPUs (name, count, driver; None and 0 without any)."""
+    cpu, flags = _cpu_info()
+    gpus, driver = _gpus()
+    return {"cpu": cpu, "cpu_flags": sorted(f for f in flags if CPU_FLAGS.fullmatch(f)) if flags else None,
+            "cpu_flag_count": len(flags) if flags else None,
+            "cores": os.cpu_count(),
+            "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "ram_gib": _ram_gib(),
+            "gpu": ", ".join(sorted(set(gpus))) or None, "gpu_count": len(gpus), "gpu_driver": driver}
+
+
+def _git_state() -> tuple[str | None, bool | None]:
+    """(HEAD's hash, whether tracked files differ from it), or (None, None) outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S, check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    return head, bool(status.strip())
+
+
+def _cpu_info() -> tuple[str | None, list[str]]:
+    """(the CPU's model name, its flags) from /proc/cpuinfo; elsewhere platform's name and no flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine() or None, []
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    cpu = fields.get("model name") or fields.get("Hardware") or platform.machine() or None
+    return cpu, (fields.get("flags") or fields.get("Features") or "").split()
+
+
+def _ram_gib() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _gpus() -> tuple[list[str], str | None]:
+    """(the GPUs' names, the driver's version) from nvidia-smi; without it, the names torch sees
+    if the bench imported torch (the driver then unknown); ([], None) without a GPU."""
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=True).stdout
+            rows = [[x.strip() for x in line.split(",")] for line in out.splitlines() if line.strip()]
+            if rows:
+                return [r[0] for r in rows], rows[0][-1]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], None
+    return [], None
+
+
+def _version(package: str) -> str | None:
+    """The version of `package`: the imported module's when imported, else the installed
+    distribution's (so torch is not imported to name it); None when not installed."""
+    module = sys.modules.get(package)
+    if module is not None and getattr(module, "__version__", None):
+        return str(module.__version__)
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:

@@ -18,6 +18,8 @@
 # OUT/controller_ab.png. Run it alone on the machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the command line as given (and the knobs below as the environment set them), for the results file
+COMMAND="$(for v in EXTRA; do [ -z "${!v+set}" ] || printf '%s=%s ' "$v" "${!v@Q}"; done)bash bench/controller_ab.sh${*:+ ${*@Q}}"
 REV="${1:?usage: bash bench/controller_ab.sh REV [ROUNDS] [OUT]}"
 ROUNDS="${2:-3}"
 OUT="${3:-bench/out/controller-ab}"
@@ -50,13 +52,13 @@ print(round(r["trajectories_per_s_median"]), r.get("young_gc_threshold", "-"))' 
     echo "$arm $rate $gc" >> "$WORK/rates"
   done
 done
-"$PY" - "$WORK/rates" "$OUT" "$REV" "$(git rev-parse "$REV")" "$ROUNDS" "$EXTRA" <<'PY'
+"$PY" - "$WORK/rates" "$OUT" "$REV" "$(git rev-parse "$REV")" "$ROUNDS" "$EXTRA" "$COMMAND" <<'PY'
 import statistics, sys
 from pathlib import Path
 sys.path.insert(0, ".")
 from bench.common import pyplot, save_figure, write_json
 
-rates_file, out, rev, sha, rounds, extra = sys.argv[1:]
+rates_file, out, rev, sha, rounds, extra, command = sys.argv[1:]
 arms = {"old": [], "old-fakes": [], "new": []}
 gc = {}
 for line in Path(rates_file).read_text().splitlines():
@@ -70,7 +72,7 @@ result = {"command": f"bash bench/controller_ab.sh {rev} {rounds}", "rev": sha, 
           "package_ratio": median["new"] / median["old-fakes"],  # what the rest changed
           "total_ratio": median["new"] / median["old"]}
 out = Path(out)
-write_json(out / "controller_ab.json", result)
+write_json(out / "controller_ab.json", result, command=command)
 plt = pyplot()
 fig, ax = plt.subplots(figsize=(6, 3.6))
 for i, (arm, r) in enumerate(arms.items()):

@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         "target_trajectories_per_s": TARGET, "meets_target": median >= TARGET, "runs": runs}
     if args.profile:
         results["profile"] = profile_run(settings, folder, args.out / "profile.txt")
+    # two arguments, the command this process's: controller_ab.sh's old-fakes arm runs this file
+    # beside an older bench/common.py, whose write_json takes no command
     write_json(args.out / "results.json", results)
 
     print_table(["run", "trained", "admitted", "dropped stale", "wall s", "traj/s", "loop lag max ms"],

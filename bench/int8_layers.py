@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from areal_aio.workers.common import configure_torch  # noqa: E402
 from areal_aio.workers.models import SMOLLM2, TINY, encode_prompt, load_model  # noqa: E402
 from areal_aio.workers.rollout import int8  # noqa: E402
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import command_line, print_table, write_json  # noqa: E402
 from bench.rollout_throughput import INSTRUCTION, QUESTIONS  # noqa: E402
 
 SHAPES = [(32, 576, 1536), (32, 1536, 576), (32, 576, 576), (32, 576, 49152)]
@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nrequantizing every layer after a load: {rs:.2f} s")
     write_json(args.out / "results.json", {
         "model": TINY if args.quick else SMOLLM2, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "weight_qmax": int8.weight_qmax(), "matmul": mm, "drift": dr, "refresh_s": rs})
+        "weight_qmax": int8.weight_qmax(), "matmul": mm, "drift": dr, "refresh_s": rs},
+        command=command_line(__file__, argv))
     print(f"wrote {args.out / 'results.json'}", file=sys.stderr)
     return 0
 

@@ -48,7 +48,7 @@ from areal_aio.store.weights import SHM_BASE, WeightStore  # noqa: E402
 from areal_aio.workers import lora  # noqa: E402
 from areal_aio.workers.models import SMOLLM2, TINY, load_model  # noqa: E402
 from areal_aio.workers.rollout.engine import Engine, Request  # noqa: E402
-from bench.common import print_table, pyplot, save_figure, write_json  # noqa: E402
+from bench.common import command_line, print_table, pyplot, save_figure, write_json  # noqa: E402
 from bench.rollout_throughput import TEMPERATURE, prompts  # noqa: E402
 from bench.train_step import GROUP, make_batch, reply_lengths  # noqa: E402
 
@@ -324,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                {"model": args.model, "seqs": args.seqs, "group": GROUP, "repeats": repeats, "alpha": ALPHA,
                 "threads": 1, "cores": cpu_cores(), "loadavg_before": load_before, "loadavg_after": load_after,
                 "decode_rows": len(ids), "decode_tokens": new, "targets": TARGETS, "met": met,
-                "rows": rows, "decode": decode})
+                "rows": rows, "decode": decode},
+               command=command_line(__file__, argv))
     plot(rows, decode, args.out / "lora.png", f"LoRA vs full fine-tuning ({args.model}, 1 thread)")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'lora.png'}", file=sys.stderr)
     return 0

@@ -7,9 +7,11 @@
 # Each arm is bench/time_to_threshold.py's grid (it resumes: finished cells are reused). Last,
 # OUT/lora_threshold.json gathers both arms: per seed the time to 0.70, the first eval step at
 # or above it, the trainer's and rollout's idle fractions and the eval curve; per arm the
-# median and mean time and the median step (README, LoRA; bench/results/cpu/lora_threshold.json).
+# median and mean time and the median step (README, LoRA; bench/results/epyc-2core/lora_threshold.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the command line as given (and the knobs below as the environment set them), for the results file
+COMMAND="$(for v in LORA_LR; do [ -z "${!v+set}" ] || printf '%s=%s ' "$v" "${!v@Q}"; done)bash bench/lora_threshold.sh${*:+ ${*@Q}}"
 OUT="${1:-bench/out/lora-threshold}"
 LORA_LR="${LORA_LR:-1e-4}"   # the full run's trainer.lr is 1e-5; LoRA's usual is about 10x
 for seed in 0 1 2; do
@@ -18,11 +20,13 @@ for seed in 0 1 2; do
     python bench/time_to_threshold.py --modes areal --seeds "$seed" --threshold 0.70 --max-wall-s 600 \
         --set lora.rank=8 --set trainer.lr="$LORA_LR" --out "$OUT/lora8"
 done
-python - "$OUT" "$LORA_LR" <<'PY'
+python - "$OUT" "$LORA_LR" "$COMMAND" <<'PY'
 import json, statistics, sys
 from pathlib import Path
+sys.path.insert(0, ".")
+from bench.common import write_json
 
-out, lora_lr = Path(sys.argv[1]), float(sys.argv[2])
+out, lora_lr, command = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 arms = {"full": {"lora_rank": 0, "lr": 1e-5}, "lora8": {"lora_rank": 8, "lr": lora_lr}}
 runs = []
 for arm, knobs in arms.items():
@@ -43,9 +47,9 @@ for arm in arms:
 if summary["full"]["median_s"] and summary["lora8"]["median_s"]:
     summary["lora8_vs_full_median"] = summary["lora8"]["median_s"] / summary["full"]["median_s"]
     summary["lora8_vs_full_mean"] = summary["lora8"]["mean_s"] / summary["full"]["mean_s"]
-(out / "lora_threshold.json").write_text(json.dumps(
-    {"command": "bash bench/lora_threshold.sh", "threshold": 0.70, "mode": "areal", "max_wall_s": 600,
-     "target_lora8_vs_full_median": 1.25, "summary": summary, "runs": runs}, indent=1))
+write_json(out / "lora_threshold.json",
+           {"command": "bash bench/lora_threshold.sh", "threshold": 0.70, "mode": "areal", "max_wall_s": 600,
+            "target_lora8_vs_full_median": 1.25, "summary": summary, "runs": runs}, command=command)
 print(json.dumps(summary, indent=1))
 print(f"wrote {out / 'lora_threshold.json'}", file=sys.stderr)
 PY

@@ -8,7 +8,7 @@
 #     EXTRA=--quick bash bench/loss_menu.sh OUT "0"   # a smoke run on tiny-random
 #
 # The arms run on the file's defaults, int8 generation on a CPU included (rollout.quantize =
-# auto); bench/results/cpu/loss_menu.json ran in float32, the default then:
+# auto); bench/results/epyc-2core/loss_menu.json ran in float32, the default then:
 # EXTRA="--set rollout.quantize=off" repeats it.
 #
 # Last, bench/loss_menu_report.py gathers the arms into OUT/loss_menu.json and OUT/loss_menu.png:
@@ -17,6 +17,8 @@
 # medians over the seeds that reached each (README, Loss and sampling options).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the command line as given (and the knobs below as the environment set them), for the results file
+COMMAND="$(for v in MAX_WALL_S THRESHOLD EXTRA; do [ -z "${!v+set}" ] || printf '%s=%s ' "$v" "${!v@Q}"; done)bash bench/loss_menu.sh${*:+ ${*@Q}}"
 OUT="${1:-bench/out/loss-menu}"
 SEEDS="${2:-0 1 2}"
 ARMS="${3:-default dynamic sequence drgrpo gspo cispo entropy overlong}"
@@ -47,4 +49,4 @@ for seed in $SEEDS; do
     done
 done
 python bench/loss_menu_report.py "$OUT" --threshold "$THRESHOLD" --seeds "$SEEDS" --arms "$ARMS" \
-    --max-wall-s "$MAX_WALL_S"
+    --max-wall-s "$MAX_WALL_S" --command "$COMMAND"

@@ -43,7 +43,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from bench.common import print_table, pyplot, save_figure, write_json  # noqa: E402
+from bench.common import command_line, print_table, pyplot, save_figure, write_json  # noqa: E402
 
 SEQS, GROUP = 32, 8
 COMPLETION_TOKENS = 16
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                "train_alone_s": train_alone, "train_both_s": train_both,
                "gen_alone": dict(zip(("batches", "tokens", "seconds"), gen_alone, strict=True)),
                "gen_both": dict(zip(("batches", "tokens", "seconds"), gen_both, strict=True))}
-    write_json(args.out / "results.json", results)
+    write_json(args.out / "results.json", results, command=command_line(__file__, argv))
     plot(rows, ideal, achievable, args.out / "overlap.png", f"overlap on {args.device} ({spec})")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'overlap.png'}", file=sys.stderr)
     return 0

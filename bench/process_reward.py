@@ -47,6 +47,7 @@ from bench.common import (  # noqa: E402
     DEFAULT_SETTINGS,
     TINY_BATCH,
     Cell,
+    command_line,
     fmt,
     grid_parser,
     mean,
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             "continuation_requests", "continuation_s",
                                                             "cost_multiple", "process_gated", "error")}
                         for r in runs]}
-    write_json(args.out / "results.json", results)
+    write_json(args.out / "results.json", results, command=command_line(__file__, argv))
     print_results(agg)
     plot(runs, agg, args.out / "process_reward.png")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'process_reward.png'}", file=sys.stderr)

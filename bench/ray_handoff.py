@@ -42,7 +42,7 @@ from areal_aio.fleet.client import WorkerClient, ensure_model  # noqa: E402
 from areal_aio.settings import build_settings, cpu_cores  # noqa: E402
 from areal_aio.store.weights import SHM_BASE, WeightStore  # noqa: E402
 from areal_aio.workers.models import SMOLLM2, TINY, load_tokenizer  # noqa: E402
-from bench.common import print_table, pyplot, save_figure, write_json  # noqa: E402
+from bench.common import command_line, print_table, pyplot, save_figure, write_json  # noqa: E402
 from bench.scaling import rollout_pass  # noqa: E402
 from bench.train_step import GROUP, make_batch, reply_lengths  # noqa: E402
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     from areal_aio.app.runner import run_owned
 
     result = run_owned(measure(args, spec))
-    write_json(args.out / "results.json", result)
+    write_json(args.out / "results.json", result, command=command_line(__file__, argv))
     print_table(("worker", "hand-off s", "vs local", "tok/s", "vs local"),
                 [(r["worker"], f"{r['handoff_s']:.3f}", f"{r['handoff_vs_local']:.2f}x", f"{r['tokens_per_s']:.1f}",
                   f"{r['tokens_per_s_vs_local']:.2f}x") for r in result["rows"]],

@@ -20,6 +20,8 @@
 # over the seeds that reached each level (README: int8 rollout; Time to threshold).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the command line as given (and the knobs below as the environment set them), for the results file
+COMMAND="$(for v in MAX_WALL_S THRESHOLD EXTRA; do [ -z "${!v+set}" ] || printf '%s=%s ' "$v" "${!v@Q}"; done)bash bench/rollout_arms.sh${*:+ ${*@Q}}"
 OUT="${1:-bench/out/rollout-arms}"
 SEEDS="${2:-0 1 2}"
 ARMS="${3:-sync areal int8}"
@@ -52,4 +54,4 @@ for seed in $SEEDS; do
     done
 done
 python bench/rollout_arms_report.py "$OUT" --threshold "$THRESHOLD" --seeds "$SEEDS" --arms "$ARMS" \
-    --max-wall-s "$MAX_WALL_S"
+    --max-wall-s "$MAX_WALL_S" --command "$COMMAND"

@@ -80,7 +80,7 @@ from areal_aio.workers.models import (  # noqa: E402
 from areal_aio.workers.rollout import int8  # noqa: E402
 from areal_aio.workers.rollout.engine import Engine, Request, stop_in_tail  # noqa: E402
 from areal_aio.workers.trainer.losses import k3_kl  # noqa: E402
-from bench.common import save_figure, write_json  # noqa: E402
+from bench.common import command_line, save_figure, write_json  # noqa: E402
 
 QUESTIONS = ["Calculate 3 + 4.", "Calculate 8 - 5.", "Calculate 6 + 9.", "Calculate 7 - 2.",
              "Calculate 5 + 5.", "Calculate 9 - 4.", "Calculate 2 + 8.", "Calculate 4 - 1."]
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                "max_batch": args.max_batch, "temperature": TEMPERATURE, "top_p": TOP_P,
                "update_every": update_every, "rows": rows, "weight_load_s": load_times,
                "weight_load_median_s": statistics.median(load_times), **summary}
-    write_json(out_dir / "results.json", results)
+    write_json(out_dir / "results.json", results, command=command_line(__file__, argv))
     _print_table(results)
     _plot(results, out_dir / "rollout_throughput.png")
     print(f"wrote {out_dir / 'results.json'} and {out_dir / 'rollout_throughput.png'}")

@@ -48,7 +48,7 @@ from areal_aio.seeds import sample_seed  # noqa: E402
 from areal_aio.settings import Settings, build_settings, cpu_cores  # noqa: E402
 from areal_aio.store.weights import SHM_BASE, WeightStore  # noqa: E402
 from areal_aio.workers.models import SMOLLM2, TINY, load_tokenizer  # noqa: E402
-from bench.common import parse_list, print_table, pyplot, save_figure, write_json  # noqa: E402
+from bench.common import command_line, parse_list, print_table, pyplot, save_figure, write_json  # noqa: E402
 from bench.rollout_throughput import QUESTIONS  # noqa: E402
 from bench.train_step import GROUP, make_batch, reply_lengths  # noqa: E402
 
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = run_owned(measure(args, spec))
     result.update(machine=args.machine, overrides=args.overrides)
-    write_json(args.out / "results.json", result)
+    write_json(args.out / "results.json", result, command=command_line(__file__, argv))
     print_table(("role", "workers", "threads each", "tok/s (median)", "speedup", "s per pass", "all-reduce s",
                  "per repeat"),
                 [(r["role"], str(r["workers"]), str(r["threads_each"]), f"{r['tokens_per_s']:.1f}",

@@ -35,6 +35,7 @@ from areal_aio.settings import UNBOUNDED, load_settings  # noqa: E402
 from bench.common import (  # noqa: E402
     TINY_BATCH,
     Cell,
+    command_line,
     final_pass_rate,
     fmt,
     grid_parser,
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                         | {"final_pass_rate": final_pass_rate(r["summary"]),
                            "train_tokens_per_s": r["summary"].get("train_tokens_per_s"),
                            "error": r["summary"].get("error")} for r in records]}
-    write_json(args.out / "results.json", results)
+    write_json(args.out / "results.json", results, command=command_line(__file__, argv))
     print_results(agg)
     plot(agg, args.out / "staleness_ablation.png")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'staleness_ablation.png'}", file=sys.stderr)

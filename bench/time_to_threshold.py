@@ -46,6 +46,7 @@ from areal_aio.settings import MODES, OBJECTIVES, load_settings  # noqa: E402
 from bench.common import (  # noqa: E402
     TINY_BATCH,
     Cell,
+    command_line,
     final_pass_rate,
     fmt,
     grid_parser,
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                            "final_pass_rate": final_pass_rate(r["summary"]),
                            "wall_s": r["summary"].get("wall_s"), "steps": r["summary"].get("steps"),
                            "error": r["summary"].get("error")} for r in records]}
-    write_json(args.out / "results.json", results)
+    write_json(args.out / "results.json", results, command=command_line(__file__, argv))
     print_results(agg, threshold)
     for t, a in also.items():
         print_results(a, float(t))

@@ -51,7 +51,7 @@ from areal_aio.settings import build_settings  # noqa: E402
 from areal_aio.store.weights import SHM_BASE, WeightStore  # noqa: E402
 from areal_aio.workers.models import SMOLLM2, TINY, load_model  # noqa: E402
 from areal_aio.workers.trainer.worker import Trainer  # noqa: E402
-from bench.common import pyplot, save_figure, write_json  # noqa: E402
+from bench.common import command_line, pyplot, save_figure, write_json  # noqa: E402
 
 SEQS = 32
 QUICK_SEQS = 8
@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out / "results.json",
         {"model": spec, "seqs": seqs, "mixes": shapes, "repeats": repeats,
          "micro_tokens": next(iter(trainers.values())).cfg.micro_tokens, "device": args.device,
-         "completion_tokens_each": args.completion_tokens, "peak_rss_gib": peak_gib, "rows": rows})
+         "completion_tokens_each": args.completion_tokens, "peak_rss_gib": peak_gib, "rows": rows},
+        command=command_line(__file__, argv))
     plot(rows, args.out / "train_step.png", f"one trainer update on {args.device} ({spec})")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'train_step.png'}", file=sys.stderr)
     return 0

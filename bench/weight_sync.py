@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 from areal_aio.store.safetensors_io import load_weights  # noqa: E402
 from areal_aio.store.weights import SHM_BASE, WeightStore  # noqa: E402
 from areal_aio.workers.models import SMOLLM2, TINY, load_model  # noqa: E402
-from bench.common import pyplot, save_figure, write_json  # noqa: E402
+from bench.common import command_line, pyplot, save_figure, write_json  # noqa: E402
 
 TARGET_RATIO = 1.5
 """(publish + load) / (raw write + raw read): above this the store adds copies it should not."""
@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target: ratio <= {TARGET_RATIO}: {'met' if ok else 'MISSED'}")
     write_json(args.out / "results.json",
         {"model": spec, "device": args.device, "repeats": repeats, "threads": args.threads, "target_ratio": TARGET_RATIO,
-         "met": ok, "cases": results})
+         "met": ok, "cases": results},
+        command=command_line(__file__, argv))
     plot(results, args.out / "weight_sync.png", f"weight sync through /dev/shm ({spec})")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'weight_sync.png'}", file=sys.stderr)
     return 0

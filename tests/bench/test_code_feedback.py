@@ -23,6 +23,8 @@ def test_smoke_run_summarizes_every_problem_by_reply(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "code_feedback.json").read_text())
     assert summary["command"] == "bash bench/code_feedback.sh OUT 2" and summary["model"] == "embedded:tiny-random"
+    assert summary["provenance"]["command"] == \
+        f"MODEL='embedded:tiny-random' MAX_NEW='16' bash bench/code_feedback.sh '{tmp_path}' '2'"
     assert summary["problems"] == 164 and summary["turns"] == 2 and summary["max_new_tokens"] == 16
     assert list(summary["passed_by_reply"]) == ["1", "2"] and summary["episode_failures"] == 0
     # a reply that fails gets the feedback and a second reply: tiny-random never passes, so each has 2

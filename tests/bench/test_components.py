@@ -99,3 +99,4 @@ def test_int8_layers_quick(tmp_path, capsys, keep_threads) -> None:
     assert [r["variant"] for r in res["drift"]] == ["no rotation", "rotation", "weights alone"]
     assert all(r["kl_per_position"] >= 0 for r in res["drift"]) and res["refresh_s"] > 0
     assert "drift from float32" in capsys.readouterr().out
+    assert res["provenance"]["command"] == f"python bench/int8_layers.py --quick --out {tmp_path}"

@@ -44,6 +44,7 @@ def test_the_report_gives_each_arm_its_medians_against_the_default_and_draws_the
     assert all(p["reply_tokens"] == 10.0 and p["grad_norm"] == 2.0 and p["overlong"] is None
                for p in runs["dynamic", 0]["step_curve"])
     assert data["command"] == 'MAX_WALL_S=300 THRESHOLD=0.8 bash bench/loss_menu.sh OUT "0 1" "default dynamic"'
+    assert data["provenance"]["command"].startswith("python loss_menu_report.py ")
     assert (tmp_path / "loss_menu.png").stat().st_size > 10_000
 
 

@@ -25,10 +25,12 @@ def test_the_report_gives_each_arm_its_medians_and_speedups_and_draws_them(tmp_p
     write_run(tmp_path, "int8-keep-eta1", 1, [(0, 0.0, 0.5), (5, 40.0, 0.71), (10, 90.0, 0.75)],
               steps(0.006, 0.5), gen_tokens_per_s=160.0)
     monkeypatch.setattr(sys, "argv", ["rollout_arms_report.py", str(tmp_path), "--threshold", "0.75", "--seeds", "0 1",
-                                      "--arms", "sync int8-keep-eta1", "--max-wall-s", "300"])
+                                      "--arms", "sync int8-keep-eta1", "--max-wall-s", "300",
+                                      "--command", "bash bench/rollout_arms.sh OUT"])
     rollout_arms_report.main()
 
     data = json.loads((tmp_path / "rollout_arms.json").read_text())
+    assert data["provenance"]["command"] == "bash bench/rollout_arms.sh OUT"
     sync, fast = data["summary"]["sync"], data["summary"]["int8-keep-eta1"]
     assert sync["reached_0.70"] == 2 and sync["median_s_0.70"] == pytest.approx(120.0)  # 100 and 140
     assert sync["reached_0.75"] == 1 and sync["median_s_0.75"] == pytest.approx(200.0)

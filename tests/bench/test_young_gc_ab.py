@@ -24,6 +24,7 @@ def test_one_round_measures_both_thresholds(tmp_path):
         {"700": 700, "default": YOUNG_GC_THRESHOLD}
     assert all(len(a["rates"]) == 1 and a["rates"][0] > 0 for a in result["arms"].values())
     assert result["ratio"] == pytest.approx(result["median"]["default"] / result["median"]["700"])
+    assert result["provenance"]["command"] == f"bash bench/young_gc_ab.sh '1' '{tmp_path}'"
 
     bad = subprocess.run(["bash", "bench/young_gc_ab.sh", "0"], cwd=REPO, capture_output=True, text=True,
                          timeout=60, env=env)
