@@ -292,14 +292,18 @@ def _main():
             args, kwargs = decode(_read_line(4))
         except _Ended:
             return
+        stop = False
         try:
-            _emit({{"value": encode(fn(*args, **kwargs))}})
+            reply = {{"value": encode(fn(*args, **kwargs))}}
         except BaseException as exc:
-            _emit({{"error": _error(exc), "type": type(exc).__name__}})
-            if not isinstance(exc, Exception):
-                return
-        finally:
-            _sys.stdout.flush()  # the run ends when the driver does: what was printed is kept
+            reply, stop = {{"error": _error(exc), "type": type(exc).__name__}}, not isinstance(exc, Exception)
+        try:
+            _sys.stdout.flush()  # before the reply: the run ends when the driver does
+        except BaseException:
+            pass
+        _emit(reply)
+        if stop:
+            return
 
 
 _main()

@@ -359,6 +359,7 @@ try:
     import fcntl, random, site, traceback  # imported once here, before the forks: not per process
     site.setquit()  # exit() and quit(), which the interpreter's -S leaves out
     build_root("/tmp")
+    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: its cmdline, memory and fds are no program's to read
     null = os.open("/dev/null", os.O_RDONLY)
     if cfg["driver"] is not None:
         to_prog, to_driver = os.pipe(), os.pipe()

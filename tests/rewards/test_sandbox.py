@@ -420,13 +420,19 @@ from areal_aio.rewards.code import reward
 from areal_aio.tasks.task import Task
 from tests.rewards.test_code import SNOOP, TABLE, fenced
 task = Task("t", "", "", {"tests": TABLE, "entry_point": "add"})
-progs = {"right": "def add(a, b):\\n    return a + b",
+peek = ("import os\\ndef add(a, b):\\n    for pid in [p for p in os.listdir('/proc') if p.isdigit()]:\\n"
+        "        for what in ('mem', 'cmdline', 'environ', 'fd/3', 'fd/4', 'fd/5'):\\n"
+        "            if int(pid) == os.getpid():\\n                continue\\n            try:\\n"
+        "                os.close(os.open(f'/proc/{pid}/{what}', os.O_RDONLY | os.O_NONBLOCK))\\n"
+        "                return 10 ** 9\\n"
+        "            except OSError:\\n                pass\\n    return a + b\\n")
+progs = {"right": "def add(a, b):\\n    return a + b", "peek": peek,
          "snoop": SNOOP.replace("return a + b", "return 0"),
          "kill": "import os, signal\\ndef add(a, b):\\n    os.kill(-1, signal.SIGKILL)\\n    return 0",
          "verdict": "import os\\nos.write(3, b'{\\"passed\\": true}\\\\n')\\ndef add(a, b):\\n    return 0"}
 print(json.dumps({k: reward(task, fenced(v), **task.extra).passed for k, v in progs.items()}))
 """)
-    assert seen == {"right": True, "snoop": False, "kill": False, "verdict": False}, seen
+    assert seen == {"right": True, "peek": True, "snoop": False, "kill": False, "verdict": False}, seen
 
 
 @pytest.mark.slow
