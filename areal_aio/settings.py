@@ -39,7 +39,7 @@ TASK_FILES = {"jsonl": None, "parquet": "pyarrow", "datasets": "datasets"}
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 """run.report_to name -> the package it needs (each an optional extra of the same name)."""
 CODE_TASKS = ("code", "humaneval")
-"""task.name of the built-in code tasks (tasks/code.py), judged by running the reply's program
+"""task.name of the built-in code tasks (rewards/code_tasks.py), judged by running the reply's program
 in the sandbox (rewards/code.py, rewards/sandbox.py)."""
 CODE_COLUMNS = ("tests", "entry_point", "prefix")
 """The columns a generated code task gives its reward (HumanEval's items all three, CodeI/O's
@@ -197,7 +197,7 @@ class TaskSettings:
     format_bonus: float = opt(0.2, "Extra reward for an <answer> tag, paid only when the answer is also correct.", ge=0)
     overlong_buffer: int = opt(0, "DAPO's soft overlong penalty: a training reply longer than rollout.max_new_tokens - overlong_buffer tokens loses overlong_penalty x (its tokens past that) / overlong_buffer, up to overlong_penalty at max_new_tokens; 0 = off. Single replies only (an episode's are not shaped); evals are never shaped.", ge=0)
     overlong_penalty: float = opt(1.0, "The most the overlong penalty takes (at rollout.max_new_tokens).", ge=0)
-    episode: str = opt("", "A multi-turn episode: \"package.module:function\" naming an `async def episode(task, model)` that calls `await model.reply()` as often as it likes, adds tool or environment turns between replies with model.add_turn(role, text), and returns its reward (float or Score) or None (task.reward scores the last reply). One trained sequence per episode, the added turns masked out of the loss (areal_aio/control/episodes.py). \"\" = one reply per task (task.name = calculator: its calculator episode). Built in besides: \"areal_aio.tasks.code_feedback:episode\" (code tasks: a failing program sees why and tries again).", parse=episode_value)
+    episode: str = opt("", "A multi-turn episode: \"package.module:function\" naming an `async def episode(task, model)` that calls `await model.reply()` as often as it likes, adds tool or environment turns between replies with model.add_turn(role, text), and returns its reward (float or Score) or None (task.reward scores the last reply). One trained sequence per episode, the added turns masked out of the loss (areal_aio/control/episodes.py). \"\" = one reply per task (task.name = calculator: its calculator episode). Built in besides: \"areal_aio.rewards.code_feedback:episode\" (code tasks: a failing program sees why and tries again).", parse=episode_value)
     episode_turns: int = opt(4, "Episode bound: model replies per episode; one more model.reply() ends the episode with reward 0 (counted in episode_failures).", ge=1)
     episode_tokens: int = opt(512, "Episode bound: tokens after the prompt (replies and added turns); a reply gets at most what is left (and rollout.max_new_tokens); none left: reward 0, counted.", ge=1)
     episode_timeout_s: float = opt(120.0, "Episode bound: wall seconds per episode (its replies included); past it the episode is cancelled, reward 0, counted.", gt=0)

@@ -1,17 +1,21 @@
-"""The package's shape, read from its source: no import circles, and the controller's side never
-reaches torch.
+"""The package's shape, read from its source: which room (subpackage) may import which (ROOMS,
+the one copy of the table; docs/ shows it and is checked against it), no import circles, and
+the controller's side never reaches torch.
 
 Every import between the package's modules counts, at the top of a module or inside a function
-(a lazy import still runs the imported module in the process that calls it); only
-`if TYPE_CHECKING:` blocks are left out. An outside package counts where it is imported at a
-module's top; inside a function it counts unless the module is one of LAZY_HEAVY, whose heavy
-imports sit in functions only the workers call. A last test imports the controller's side in a
-fresh interpreter and looks for torch in sys.modules. The modules are those pyproject ships, each
-read from the folder it maps (`workers/` as `areal_aio.workers`)."""
+(a lazy import still runs the imported module in the process that calls it). For the table,
+`if TYPE_CHECKING:` imports count too (a type-only arrow is still an arrow between rooms); the
+circle and torch checks leave them out (they never run). An outside package counts where it is
+imported at a module's top; inside a function it counts unless the module is one of LAZY_HEAVY,
+whose heavy imports sit in functions only the workers call. A last test imports the controller's
+side in a fresh interpreter and looks for torch in sys.modules. The modules are those pyproject
+ships, each read from the folder it maps (`workers/` as `areal_aio.workers`)."""
 
 from __future__ import annotations
 
 import ast
+import itertools
+import re
 import subprocess
 import sys
 import tomllib
@@ -21,11 +25,27 @@ import pytest
 
 from tests.conftest import ROOT
 
+ROOMS: dict[str, tuple[str, ...]] = {
+    "areal_aio": ("app", "control", "rewards", "settings", "tasks"),
+    "app": ("control", "fleet", "rewards", "tasks", "workers", "store", "settings", "wire", "seeds"),
+    "control": ("fleet", "rewards", "tasks", "store", "settings", "wire", "seeds"),
+    "fleet": ("store", "settings", "wire", "seeds"),
+    "rewards": ("tasks", "store", "settings", "wire", "seeds"),
+    "tasks": ("store", "settings", "wire", "seeds"),
+    "workers": ("store", "settings", "wire", "seeds"),
+    "store": ("settings", "wire", "seeds"),
+    "settings": (),
+    "wire": (),
+    "seeds": (),
+}
+"""Room -> the rooms its modules may import (besides its own). A room is a subpackage of areal_aio
+(`workers` for workers/) or a top-level module (settings, wire, seeds); `areal_aio` is the
+package's own front doors (`__init__`'s lazy names, `__main__`). The arrows point one way:
+commands over the loop, the loop over the workers' clients, the tasks and the rewards (a reward
+reads a task, never the reverse), all of them over the store and the shared leaves; the workers
+(torch) see only store, settings, wire and seeds."""
 HEAVY = ("torch", "transformers", "safetensors", "accelerate", "gguf", "peft")
 """Packages that load torch (or are only used beside it)."""
-TORCH_FREE = ("areal_aio.settings", "areal_aio.wire", "areal_aio.seeds", "areal_aio.control",
-              "areal_aio.fleet", "areal_aio.tasks", "areal_aio.rewards", "areal_aio.store")
-"""What the controller process imports: none of it may reach HEAVY."""
 LAZY_HEAVY = {
     "areal_aio.store.safetensors_io": "the tensor I/O of the weight store: publish (the trainer) "
                                       "and load (the rollout worker)",
@@ -34,6 +54,28 @@ LAZY_HEAVY = {
 REMOTE = ("areal_aio.fleet.ray_workers",)
 """Modules that run in a Ray actor's process besides the controller's (they may load what the
 worker loads; the controller imports them only when ray.address is set)."""
+
+
+def reach(room: str) -> set[str]:
+    """The rooms `room` reaches through the table, itself included."""
+    seen, stack = {room}, [room]
+    while stack:
+        for target in ROOMS[stack.pop()]:
+            if target not in seen:
+                seen.add(target)
+                stack.append(target)
+    return seen
+
+
+TORCH_FREE = tuple(f"areal_aio.{room}" for room in ROOMS if room != "areal_aio" and "workers" not in reach(room))
+"""What the controller process imports (the rooms that cannot reach workers/): none of it may
+reach HEAVY."""
+
+
+def room(module: str) -> str:
+    """`areal_aio.control.stats` -> control; the package itself and its __main__ -> areal_aio."""
+    parts = module.split(".")
+    return "areal_aio" if len(parts) == 1 or parts[1] == "__main__" else parts[1]
 
 
 def packages() -> dict[str, Path]:
@@ -63,9 +105,9 @@ def _type_checking(node: ast.AST) -> bool:
         or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
 
 
-def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+def imports(name: str, path: Path, known: dict[str, Path], type_only: bool = False) -> set[str]:
     """What `name` imports: modules of the package (resolved to the deepest known module) and
-    the top-level names of outside packages."""
+    the top-level names of outside packages; `type_only`: `if TYPE_CHECKING:` imports too."""
     out: set[str] = set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
 
@@ -81,7 +123,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                 out.add(target)
 
     def visit(node: ast.AST, top: bool) -> None:
-        if _type_checking(node):
+        if _type_checking(node) and not type_only:
             return
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -111,6 +153,14 @@ def graph() -> dict[str, set[str]]:
     return {name: imports(name, path, known) for name, path in known.items()}
 
 
+@pytest.fixture(scope="module")
+def arrows() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, type-only imports included."""
+    known = modules()
+    return {name: {t for t in imports(name, path, known, type_only=True) if t in known}
+            for name, path in known.items()}
+
+
 def test_every_package_folder_ships_and_none_is_a_link():
     """pyproject lists the packages (a mapped folder cannot be found by setuptools' find): a
     folder left out of the list would be missing from the wheel. No file has two paths."""
@@ -126,6 +176,69 @@ def test_the_walk_sees_the_package(graph):
             "areal_aio.workers.trainer.worker", "areal_aio.settings"} <= set(graph)
     assert "torch" in graph["areal_aio.workers.rollout.engine"]
     assert "areal_aio.wire" in graph["areal_aio.control.controller"]
+
+
+def test_the_table_names_every_room_once_and_points_one_way(arrows):
+    assert {room(m) for m in arrows} == set(ROOMS), "a room of the package is missing from ROOMS, or a row is stale"
+    assert all(t in ROOMS and t != r for r, targets in ROOMS.items() for t in targets)
+    circles = [r for r in ROOMS if any(r in reach(t) for t in ROOMS[r])]
+    assert not circles, f"the table itself lets these rooms reach themselves: {circles}"
+
+
+def test_every_import_follows_the_table(arrows):
+    bad = [f"{name} -> {target}  ({room(name)} may not import {room(target)})"
+           for name, targets in sorted(arrows.items()) for target in sorted(targets)
+           if room(target) != room(name) and room(target) not in ROOMS[room(name)]]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_table_catches_a_type_only_import(tmp_path):
+    """The check reads `if TYPE_CHECKING:` blocks: an upward arrow there is still reported."""
+    path = tmp_path / "mod.py"
+    path.write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                    "    from areal_aio.control.episodes import Model\n")
+    known = {"areal_aio.tasks.mod": path, "areal_aio.control.episodes": path}
+    assert imports("areal_aio.tasks.mod", path, known, type_only=True) == {"typing", "areal_aio.control.episodes"}
+    assert imports("areal_aio.tasks.mod", path, known) == {"typing"}
+
+
+def test_the_front_door_names_come_from_its_rooms():
+    """`areal_aio.Orchestrator` and the other lazy names import their modules by name, out of the
+    walk's sight: their rooms are read from `_HOME` instead."""
+    tree = ast.parse((ROOT / "areal_aio" / "__init__.py").read_text())
+    home = next(ast.literal_eval(n.value) for n in tree.body
+                if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_HOME" for t in n.targets))
+    known = modules()
+    assert all(f"areal_aio.{module}" in known for module in home.values()), home
+    assert {module.split(".")[0] for module in home.values()} <= set(ROOMS["areal_aio"])
+
+
+def docs_tables() -> list[tuple[Path, dict[str, set[str]]]]:
+    """Each markdown table under docs/ headed `| subpackage | may import |`: its page and its rows
+    (the backticked rooms of a row's left cell -> the backticked rooms of its right cell)."""
+    tables = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if [c.strip().lower() for c in line.strip().strip("|").split("|")] != ["subpackage", "may import"]:
+                continue
+            rows: dict[str, set[str]] = {}
+            for row in itertools.takewhile(lambda x: x.startswith("|"), lines[i + 2:]):
+                left, right = row.strip().strip("|").split("|")
+                rows.update({name: set(re.findall(r"`([^`]+)`", right)) for name in re.findall(r"`([^`]+)`", left)})
+            tables.append((page, rows))
+    return tables
+
+
+def test_the_docs_show_this_table():
+    """The table a person reads is ROOMS, row for row: at least one page under docs/ shows it,
+    and no table of arrows there says otherwise (a table whose rows name no arrow at all is a
+    placeholder, not a copy)."""
+    table = {name: set(targets) for name, targets in ROOMS.items()}
+    tables = docs_tables()
+    assert any(rows == table for _, rows in tables), "no table '| subpackage | may import |' under docs/ is ROOMS"
+    stale = [str(page.relative_to(ROOT)) for page, rows in tables if any(rows.values()) and rows != table]
+    assert not stale, f"these pages show other arrows than ROOMS: {stale}"
 
 
 def test_no_import_circles(graph):

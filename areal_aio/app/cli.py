@@ -148,7 +148,7 @@ def _run(settings, out: str | None, resume=None, rows=None) -> int:
     """Train; `rows`: the task file's rows preflight read (handed on, not read again)."""
     from areal_aio.app.trackers import run_tracked
     from areal_aio.control.controller import Orchestrator
-    from areal_aio.tasks.sources import eval_tasks, training_tasks
+    from areal_aio.control.sources import eval_tasks, training_tasks
 
     given = {} if rows is None else {"tasks": training_tasks(settings, rows=rows),
                                      "eval_set": eval_tasks(settings, rows=rows)}

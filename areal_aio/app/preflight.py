@@ -88,7 +88,7 @@ def preflight(settings: Settings, out: str | Path | None = None, *, out_key: str
 
 def check_tasks(settings: Settings) -> list[Task] | None:
     """The rows of a task file (None for generated tasks); PreflightError naming a bad one."""
-    from areal_aio.tasks.files import read_tasks
+    from areal_aio.control.sources import read_tasks
 
     return read_checked("task.path", settings.task.path, lambda: read_tasks(settings.task),
                         f"a {settings.task.name} file")

@@ -45,11 +45,11 @@ import orjson
 from areal_aio import wire
 from areal_aio.app.preflight import PreflightError, preflight, read_checked
 from areal_aio.control.evaluation import greedy_completions, rates, sample_rows, score
+from areal_aio.control.sources import eval_tasks, training_tasks
 from areal_aio.rewards.scoring import AnswerReward, Scorer
 from areal_aio.settings import CODE_TASKS, SFT, Settings, SettingsError, load_settings
 from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION
 from areal_aio.tasks.files import jsonl_rows
-from areal_aio.tasks.sources import eval_tasks, training_tasks
 from areal_aio.tasks.steps import STEP_INSTRUCTION, parse
 from areal_aio.tasks.task import Task
 

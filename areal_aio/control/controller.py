@@ -71,10 +71,11 @@ from areal_aio.control.groups import Groups
 from areal_aio.control.progress import Progress
 from areal_aio.control.replay import Group, ReplayBuffer
 from areal_aio.control.runlog import RunLog
+from areal_aio.control.sources import eval_tasks, read_tasks, training_tasks
 from areal_aio.control.staleness import Admission, staleness
-from areal_aio.control.stats import Busy
 from areal_aio.control.trainer_link import TrainerLink
 from areal_aio.fleet import placement
+from areal_aio.fleet.busy import Busy
 from areal_aio.fleet.client import WorkerClient, WorkerFailed
 from areal_aio.fleet.rollout_pool import RolloutPool
 from areal_aio.rewards import process as process_reward
@@ -82,8 +83,6 @@ from areal_aio.rewards.scoring import Scorer, load_rewards
 from areal_aio.settings import Settings, SettingsError
 from areal_aio.store import checkpoint
 from areal_aio.store.weights import WeightStore
-from areal_aio.tasks.files import read_tasks
-from areal_aio.tasks.sources import eval_tasks, training_tasks
 from areal_aio.tasks.task import Task, task_stream
 
 MONITOR_PERIOD_S = 0.05

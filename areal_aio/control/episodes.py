@@ -1,103 +1,27 @@
-"""Multi-turn episodes: a user's `async def episode(task, model)` and the one sequence it trains.
+"""Playing episodes: which episode a run plays (task.episode, or the calculator's for task.name =
+calculator), loading it, and playing one under its wall bound, for training and the held-out eval.
 
-An episode is a piece of the user's asyncio code that talks to the policy several times. The
-controller runs each sample of a group as one asyncio task (Orchestrator._episode); the episode
-gets a `Model` and calls:
-
-    await model.reply()            -> one Generate to the rollout workers, awaits its Completion,
-                                      returns the reply's text (stop=[...]: it ends at the first
-                                      of these strings, kept, e.g. a tool call's closing tag)
-    model.add_turn(role, text)     -> a tool or environment turn, sent with the next reply
-
-and returns its reward (a float or a Score) or None: task.reward then scores the last reply.
-
-Token ids grow; the chat is never templated again after the prompt. The first reply's prompt is
-the task templated by the worker (as for one reply); every later Generate carries the exact ids
-so far (`context_ids`) and the turns added since (`append`), which the worker renders with the
-chat template as messages after the last reply (workers/models.py encode_turns) and returns
-as the tail of the Completion's prompt_ids. So the sequence a sample trains on is:
-
-    prompt_ids     = the task's prompt (the same for the whole group: the packed layout holds)
-    completion_ids = reply 1 | turn ids | reply 2 | turn ids | ... | reply n
-    loss_mask      = 1 .. 1  | 0 ..  0  | 1 .. 1  | ...
-    logprobs       = the replies' behaviour log-probs; 0.0 on turn ids (never read)
-    versions       = the replies' token versions; on turn ids the version of the reply before
-                     (never read, and min(versions) stays the oldest trained token's: the
-                     sample's staleness is its episode's oldest trained token)
-
-The episode's record, each samples.jsonl row's `turns`: {role, text, tokens, trained} per reply
-and per added turn (turns sent together are rendered together: the first one's row holds their
-ids); turns added after the last reply are in this record only. Bounds (task.*):
-`episode_turns` replies, `episode_tokens` tokens after the prompt (replies and turns: a later
-reply's Generate carries max_context = prompt + episode_tokens, and the worker, which knows the
-new turns' length, gives the reply at most what is left; each reply also at most
-rollout.max_new_tokens; turns that leave no room end the episode), `episode_timeout_s` wall
-seconds. An episode that passes one, raises, or returns something
-that is not a reward scores 0 and is counted (episode_failures), as a failing reward is.
+What an episode talks to (`Model`), its bounds and the sequence it trains are tasks/episode.py's,
+below the tasks whose episodes use them. The loop builds them through this module as well
+(`episodes.Model`, `episodes.Bounds`, `episodes.ReplyRequest`), so `__all__` names them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
 
-from areal_aio import wire
 from areal_aio.rewards.scoring import FAILED, Score, as_score, import_reward
 from areal_aio.settings import Settings, SettingsError
+from areal_aio.tasks.episode import Bounds, Episode, Model, ReplyRequest
 from areal_aio.tasks.task import Task
+
+__all__ = ["CALCULATOR", "KEY", "Bounds", "Episode", "Model", "ReplyRequest", "episode_spec", "load_episode",
+           "play"]
 
 KEY = "task.episode"
 CALCULATOR = "areal_aio.tasks.calculator:episode"
 """What task.name = calculator runs when task.episode is empty."""
-
-Episode = Callable[[Task, "Model"], Awaitable[Any]]
-
-
-@dataclass(frozen=True, slots=True)
-class ReplyRequest:
-    """One reply a Model asks for: the ids so far (None: the first reply, from the task's
-    prompt), the turns to append before it, its token limit, the context bound (0: none) and its
-    stop strings."""
-
-    context_ids: list[int] | None
-    append: list[dict[str, str]] | None
-    max_new_tokens: int
-    max_context: int
-    stop: list[str] | None
-
-    def generate(self, request_id: str, task: Task, temperature: float, top_p: float,
-                 seed: int | None = None) -> wire.Generate:
-        """The Generate that asks for it: the first reply templates the task (its chat, if it is
-        one); a later one continues from the ids."""
-        return wire.Generate(request_id, task.text, self.max_new_tokens, temperature, top_p, seed,
-                             task.messages if self.context_ids is None else None,
-                             context_ids=self.context_ids, append=self.append, max_context=self.max_context,
-                             stop=self.stop)
-
-
-Request = Callable[[ReplyRequest], Awaitable[wire.Completion]]
-"""How a Model gets a reply: the caller sends the request's Generate (its own id and sampling)
-and returns the reply's Completion (the controller also retries aborts)."""
-
-
-class EpisodeLimit(RuntimeError):
-    """The episode passed one of its bounds (task.episode_turns / episode_tokens)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Bounds:
-    turns: int  # model replies per episode
-    tokens: int  # tokens after the prompt: replies and turns
-    timeout_s: float  # wall seconds of the whole episode
-    max_new_tokens: int  # per reply (rollout.max_new_tokens)
-
-    @classmethod
-    def of(cls, settings: Settings) -> Bounds:
-        t = settings.task
-        return cls(t.episode_turns, t.episode_tokens, t.episode_timeout_s, settings.rollout.max_new_tokens)
 
 
 def episode_spec(settings: Settings) -> str:
@@ -136,114 +60,3 @@ async def play(episode: Episode, task: Task, model: Model, timeout_s: float) -> 
         raise
     except Exception as exc:  # noqa: BLE001 - the user's code: its failure scores 0, counted
         return FAILED, exc
-
-
-@dataclass(slots=True)
-class Transcript:
-    """The episode's sequence so far (module docstring) and its turns' record."""
-
-    prompt_ids: list[int] = field(default_factory=list)
-    completion_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    turns: list[dict[str, Any]] = field(default_factory=list)  # role, text, tokens, trained
-    last: wire.Completion | None = None  # the last reply
-    interrupts: int = 0
-    gen_s: float = 0.0
-
-    @property
-    def context_ids(self) -> list[int]:
-        return self.prompt_ids + self.completion_ids
-
-    def add_reply(self, msg: wire.Completion, sent: list[int] | None, added: list[dict[str, Any]]) -> None:
-        """A reply's Completion: `sent` the context_ids its Generate carried (None: the first),
-        `added` the turn rows it appended. The ids between are the turns' own."""
-        if sent is None:
-            self.prompt_ids = list(msg.prompt_ids)
-        else:
-            if msg.prompt_ids[:len(sent)] != sent:
-                raise RuntimeError(f"{msg.request_id}: the worker did not continue from the episode's ids")
-            turn_ids = msg.prompt_ids[len(sent):]
-            self.completion_ids += turn_ids
-            self.logprobs += [0.0] * len(turn_ids)
-            self.versions += [self.versions[-1]] * len(turn_ids)
-            self.mask += [0] * len(turn_ids)
-            if added:  # turns sent together are rendered together: the first row holds their ids
-                added[0]["tokens"] = len(turn_ids)
-        self.completion_ids += msg.completion_ids
-        self.logprobs += msg.logprobs
-        self.versions += msg.versions
-        self.mask += [1] * len(msg.completion_ids)
-        self.turns.append({"role": "assistant", "text": msg.text, "tokens": len(msg.completion_ids),
-                           "trained": True})
-        self.last = msg
-        self.interrupts += msg.interrupts
-        self.gen_s += msg.gen_s
-
-    def completion(self) -> wire.Completion | None:
-        """The whole episode as one Completion (what rows and counters read), or None before a reply."""
-        if self.last is None:
-            return None
-        return wire.Completion(request_id=self.last.request_id, prompt_ids=self.prompt_ids,
-                               completion_ids=self.completion_ids, logprobs=self.logprobs,
-                               versions=self.versions, text=self.last.text, finish=self.last.finish,
-                               interrupts=self.interrupts, gen_s=self.gen_s)
-
-
-class Model:
-    """What an episode talks to: the policy, one reply at a time, and the turns between replies."""
-
-    def __init__(self, bounds: Bounds, request: Request) -> None:
-        self._bounds = bounds
-        self._request = request
-        self._pending: list[dict[str, Any]] = []  # turn rows added since the last reply
-        self.transcript = Transcript()
-        self.replies = 0
-
-    @property
-    def replies_left(self) -> int:
-        """Replies the episode may still ask for (task.episode_turns)."""
-        return self._bounds.turns - self.replies
-
-    @property
-    def tokens_left(self) -> int:
-        """Tokens the episode may still add after its prompt (task.episode_tokens)."""
-        return self._bounds.tokens - len(self.transcript.completion_ids)
-
-    def add_turn(self, role: str, text: str) -> None:
-        """A turn after the last reply (a tool's answer: role "tool"; an environment's: "user"),
-        sent with the next reply; it is in the context, never trained."""
-        if not self.replies:
-            raise ValueError("add_turn before the first reply: the task's prompt is the first turn")
-        if not isinstance(role, str) or not role or not isinstance(text, str):
-            raise TypeError(f"add_turn(role, text) takes two strings, got {role!r}, {text!r}")
-        row = {"role": role, "text": text, "tokens": 0, "trained": False}
-        self._pending.append(row)
-        self.transcript.turns.append(row)
-
-    async def reply(self, max_new_tokens: int | None = None, stop: list[str] | None = None) -> str:
-        """The policy's next reply (its text), after the turns added since the last one (none
-        added: a new assistant turn right after the last reply). `max_new_tokens` lowers this
-        reply's limit; `stop` strings end it at the token that completes the first of them (the
-        string stays in the reply, which then has no EOS: the next turn follows it). EpisodeLimit
-        past task.episode_turns or task.episode_tokens."""
-        if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop)):
-            raise TypeError(f"reply(stop=...) takes a list of non-empty strings, got {stop!r}")
-        b = self._bounds
-        if self.replies >= b.turns:
-            raise EpisodeLimit(f"a reply past task.episode_turns = {b.turns}")
-        if self.tokens_left <= 0:
-            raise EpisodeLimit(f"a reply past task.episode_tokens = {b.tokens}")
-        limit = min(b.max_new_tokens, self.tokens_left, max_new_tokens or b.max_new_tokens)
-        first = not self.replies
-        sent = None if first else self.transcript.context_ids
-        room = 0 if first else len(self.transcript.prompt_ids) + b.tokens
-        added, self._pending = self._pending, []
-        turns = [{"role": t["role"], "content": t["text"]} for t in added] or None
-        msg = await self._request(ReplyRequest(sent, turns, limit, room, list(stop) if stop else None))
-        self.replies += 1
-        self.transcript.add_reply(msg, sent, added)
-        if not msg.completion_ids:
-            raise EpisodeLimit(f"the turns left no room for a reply in task.episode_tokens = {b.tokens}")
-        return msg.text

@@ -45,6 +45,7 @@ import orjson
 
 from areal_aio import wire
 from areal_aio.control import episodes
+from areal_aio.control.sources import eval_tasks
 from areal_aio.fleet.client import PipeWorker, WorkerClient
 from areal_aio.fleet.rollout_pool import RolloutPool
 from areal_aio.rewards.scoring import (
@@ -55,7 +56,6 @@ from areal_aio.rewards.scoring import (
     load_rewards,
 )
 from areal_aio.settings import Settings, SettingsError, load_settings, resolved_settings
-from areal_aio.tasks.sources import eval_tasks
 from areal_aio.tasks.task import Task
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
-"""What a run counts and writes: the sample counters, worker busy time, the rows of
-samples.jsonl and steps.jsonl, and the summary.
+"""What a run counts and writes: the sample counters, the rows of samples.jsonl and
+steps.jsonl, and the summary (worker busy time comes from fleet/busy.py).
 
 The controller decides *when* something happened (a completion arrived, a group was dropped, a
 step committed); this module owns *what is recorded* for it, so a counter has one place that
@@ -21,9 +21,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,33 +111,6 @@ def worker_rows(shares: Sequence[WorkerShare], busy_s: Sequence[float], wall: fl
     return [{"worker": i, "device": w.device, "requests": w.requests, "gen_tokens": w.gen_tokens,
              "idle_frac": 1 - b / wall if wall else None}
             for i, (w, b) in enumerate(zip(shares, busy_s, strict=True))]
-
-
-class Busy:
-    """Integrates the time a worker has work in hand (for idle fractions); `on_change(busy)` is
-    called when it starts or stops having work (the `busy` events a report's timeline draws)."""
-
-    def __init__(self, on_change: Callable[[bool], None] = lambda busy: None) -> None:
-        self.active = 0
-        self.total = 0.0
-        self._since = 0.0
-        self._on_change = on_change
-
-    def up(self, n: int = 1) -> None:
-        """`n` more pieces of work in hand."""
-        if n and self.active == 0:
-            self._since = time.perf_counter()
-            self._on_change(True)
-        self.active += n
-
-    def down(self) -> None:
-        self.active -= 1
-        if self.active == 0:
-            self.total += time.perf_counter() - self._since
-            self._on_change(False)
-
-    def seconds(self) -> float:
-        return self.total + (time.perf_counter() - self._since if self.active else 0.0)
 
 
 def sample_row(s: Any, *, staleness: int | None = None, step: int | None = None,

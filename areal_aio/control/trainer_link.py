@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_aio import wire
-from areal_aio.control.stats import Busy
+from areal_aio.fleet.busy import Busy
 from areal_aio.fleet.client import WorkerClient
 
 

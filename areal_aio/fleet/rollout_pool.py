@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from areal_aio import wire
-from areal_aio.control.stats import Busy
+from areal_aio.fleet.busy import Busy
 from areal_aio.fleet.client import WorkerClient, WorkerFailed
 
 

@@ -1,10 +1,10 @@
 """task.name = calculator: arithmetic problems trained as episodes with a calculator tool.
 
 The problems are the arithmetic task's (tasks/arithmetic.py), with an instruction that offers
-the tool. The episode (areal_aio/control/episodes.py): the model replies; while a reply calls
-the calculator (`<calc>expression</calc>`, no <answer> yet) and replies are left, the episode
-adds the value as a "tool" turn and asks for the next reply. It returns None: task.reward (the
-answer reward) scores the last reply.
+the tool. The episode (it talks to a Model, tasks/episode.py): the model replies; while a reply
+calls the calculator (`<calc>expression</calc>`, no <answer> yet) and replies are left, the
+episode adds the value as a "tool" turn and asks for the next reply. It returns None:
+task.reward (the answer reward) scores the last reply.
 
 The expression is the model's text: it is parsed with `ast` and only numbers, + - * / and
 parentheses are evaluated, by this module's own walk of the tree (exact fractions); nothing
@@ -16,12 +16,9 @@ from __future__ import annotations
 import ast
 import re
 from fractions import Fraction
-from typing import TYPE_CHECKING
 
+from areal_aio.tasks.episode import Model
 from areal_aio.tasks.task import Task
-
-if TYPE_CHECKING:
-    from areal_aio.control.episodes import Model
 
 CALCULATOR_INSTRUCTION = ("You may use a calculator: write <calc>expression</calc> (numbers, + - * / "
                           "and parentheses) and its value comes back. Give only the final answer "

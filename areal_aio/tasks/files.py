@@ -7,11 +7,13 @@
 Every format has the same columns: `prompt` (a string) or `messages` (a chat: system, user and
 assistant turns, the last one a user turn; a `prompt` holding such a list is one too), `answer`
 (a string or a number), an optional `id`; any other column travels with the Task (`Task.extra`)
-to the reward, which takes those its signature names."""
+to the reward, which takes those its signature names. A row with `tests` is a code task (its
+answer optional); whether the judge can read its tests is the judge's rule, which the caller
+hands in as `check_tests` (control/sources.py read_tasks does), since tasks/ sit below rewards/."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,10 @@ from areal_aio.tasks.task import Task
 
 ROLES = ("system", "user", "assistant")
 
+
+TestsCheck = Callable[[dict[str, Any]], str]
+"""What is wrong with a code row's tests for the judge, or "" (rewards/code_tasks.py
+tests_columns_problem)."""
 
 COLUMNS = ("id", "prompt", "messages", "answer")
 """The columns a task row is made of; any other column is the row's `extra`."""
@@ -43,15 +49,15 @@ def jsonl_rows(path: str | Path) -> Iterator[tuple[int, Any]]:
             raise ValueError(f"{path}:{number}: not valid JSON ({exc})") from None
 
 
-def read_jsonl(path: str | Path) -> list[Task]:
+def read_jsonl(path: str | Path, check_tests: TestsCheck | None = None) -> list[Task]:
     """Tasks from a JSONL file; a malformed row is an error naming its line."""
-    tasks = [task_from_row(row, number, f"{path}:{number}") for number, row in jsonl_rows(path)]
+    tasks = [task_from_row(row, number, f"{path}:{number}", check_tests) for number, row in jsonl_rows(path)]
     if not tasks:
         raise ValueError(f"{path}: no tasks (the file is empty)")
     return tasks
 
 
-def read_parquet(path: str | Path) -> list[Task]:
+def read_parquet(path: str | Path, check_tests: TestsCheck | None = None) -> list[Task]:
     """Tasks from a Parquet file (or a folder of them); a bad row is named by its number."""
     import pyarrow
     import pyarrow.parquet
@@ -62,10 +68,10 @@ def read_parquet(path: str | Path) -> list[Task]:
         if isinstance(exc, FileNotFoundError):
             raise
         raise ValueError(f"{path}: not a Parquet file ({str(exc).splitlines()[0]})") from None
-    return _from_rows(rows, path)
+    return _from_rows(rows, path, check_tests)
 
 
-def read_dataset(path: str | Path) -> list[Task]:
+def read_dataset(path: str | Path, check_tests: TestsCheck | None = None) -> list[Task]:
     """Tasks from a folder written by `Dataset.save_to_disk` (of a DatasetDict: its train split,
     or its only split). Read from the folder alone: nothing is downloaded."""
     import datasets
@@ -82,28 +88,30 @@ def read_dataset(path: str | Path) -> list[Task]:
             raise ValueError(f"{path}: a DatasetDict with splits {', '.join(splits)} and no train split; "
                              f"save the split to train on")
         data = data["train" if "train" in data else splits[0]]
-    return _from_rows(data.to_list(), path)
+    return _from_rows(data.to_list(), path, check_tests)
 
 
 READERS = {"jsonl": read_jsonl, "parquet": read_parquet, "datasets": read_dataset}
 
 
-def read_tasks(task: TaskSettings) -> list[Task] | None:
-    """All rows of a file source (`task.path`); None for a generated source (arithmetic)."""
+def read_tasks(task: TaskSettings, check_tests: TestsCheck | None = None) -> list[Task] | None:
+    """All rows of a file source (`task.path`); None for a generated source (arithmetic).
+    `check_tests`: the judge's check of a row with tests (None: taken as they are)."""
     reader = READERS.get(task.name)
-    return reader(task.path) if reader is not None else None
+    return reader(task.path, check_tests) if reader is not None else None
 
 
-def _from_rows(rows: list[Any], path: str | Path) -> list[Task]:
-    tasks = [task_from_row(row, number, f"{path}: row {number}") for number, row in enumerate(rows, start=1)]
+def _from_rows(rows: list[Any], path: str | Path, check_tests: TestsCheck | None) -> list[Task]:
+    tasks = [task_from_row(row, number, f"{path}: row {number}", check_tests)
+             for number, row in enumerate(rows, start=1)]
     if not tasks:
         raise ValueError(f"{path}: no tasks (no rows)")
     return tasks
 
 
-def task_from_row(row: Any, number: int, where: str) -> Task:
+def task_from_row(row: Any, number: int, where: str, check_tests: TestsCheck | None = None) -> Task:
     """One row as a Task (`number` is its id when it has none); ValueError naming `where`."""
-    problem = _row_problem(row)
+    problem = _row_problem(row, check_tests)
     if problem:
         raise ValueError(f"{where}: {problem}; {EXPECTED}")
     prompt = row["messages"] if "messages" in row else row["prompt"]
@@ -118,7 +126,7 @@ def task_from_row(row: Any, number: int, where: str) -> Task:
                 answer=str(row.get("answer", "")), extra=extra)
 
 
-def _row_problem(row: object) -> str:
+def _row_problem(row: object, check_tests: TestsCheck | None) -> str:
     """What is wrong with one row, or "" (a None or a list would become the text "None")."""
     if not isinstance(row, dict):
         return f"a {type(row).__name__}, not an object"
@@ -132,9 +140,7 @@ def _row_problem(row: object) -> str:
     elif key == "messages" or not isinstance(prompt, str) or not prompt.strip():
         return "no prompt" if key not in row else f"{key} is {prompt!r}"
     if "tests" in row:  # a code task: judged by its tests (rewards/code.py), an answer optional
-        from areal_aio.rewards.code import tests_problem
-
-        if problem := tests_problem(row["tests"], row.get("entry_point"), row.get("packages")):
+        if check_tests is not None and (problem := check_tests(row)):
             return problem
         if "answer" not in row:
             return ""

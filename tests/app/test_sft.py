@@ -23,10 +23,10 @@ from areal_aio.app.sft import (
     tokenize,
     train_samples,
 )
+from areal_aio.control.sources import eval_tasks
 from areal_aio.rewards.scoring import Score
 from areal_aio.settings import build_settings
 from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION
-from areal_aio.tasks.sources import eval_tasks
 from areal_aio.tasks.steps import STEP_INSTRUCTION, parse
 from areal_aio.tasks.task import Task
 from tests.conftest import ROOT as ROOT

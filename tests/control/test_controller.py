@@ -10,8 +10,8 @@ import pytest
 
 from areal_aio import wire
 from areal_aio.control.controller import Orchestrator
-from areal_aio.control.stats import Busy
 from areal_aio.control.trainer_link import TrainerLink
+from areal_aio.fleet.busy import Busy
 from areal_aio.fleet.client import WorkerFailed
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
 from areal_aio.settings import build_settings

@@ -346,7 +346,7 @@ async def test_the_code_feedback_episode_trains_a_fixed_program_with_its_feedbac
 
     trainer = FakeTrainer()
     settings = make_settings("areal", **{"run.max_steps": 2, "task.eval_every": 2,
-                                         "task.episode": "areal_aio.tasks.code_feedback:episode",
+                                         "task.episode": "areal_aio.rewards.code_feedback:episode",
                                          "controller.reward_procs": 1})
     summary = await Orchestrator(settings, tasks=code_tasks(), eval_set=list(code_tasks(2, start=100)),
                                  out_dir=tmp_path / "run", rollout=FakeRollout(policy=first, continuation=fixed),

@@ -11,8 +11,9 @@ import orjson
 from areal_aio import wire
 from areal_aio.control import keeping
 from areal_aio.control.runlog import RunLog
-from areal_aio.control.stats import Busy, Counts
+from areal_aio.control.stats import Counts
 from areal_aio.control.trainer_link import TrainerLink
+from areal_aio.fleet.busy import Busy
 from areal_aio.fleet.fakes import FakeTrainer
 from areal_aio.store import checkpoint
 from areal_aio.store.weights import WeightStore

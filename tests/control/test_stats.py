@@ -2,7 +2,6 @@ import math
 
 from areal_aio import wire
 from areal_aio.control.stats import (
-    Busy,
     Counts,
     WorkerShare,
     num,
@@ -65,27 +64,3 @@ def test_rows_and_summary_read_the_counts():
         {"worker": 1, "device": "cuda:1", "requests": 0, "gen_tokens": 0, "idle_frac": 1.0}]
     assert summary["best_eval"] is None and summary["error"] is None
     assert num(math.inf) is None and num(2.0) == 2
-
-
-def test_busy_integrates_overlapping_work_once():
-    changes = []
-    b = Busy(changes.append)
-    b.up()
-    b.up()
-    b.down()
-    assert b.active == 1 and changes == [True]
-    b.down()
-    assert changes == [True, False] and b.seconds() == b.total >= 0.0
-
-
-def test_busy_counts_a_whole_group_at_once_and_nothing_for_none():
-    changes = []
-    b = Busy(changes.append)
-    b.up(0)
-    assert b.active == 0 and changes == [] and b.seconds() == 0.0
-    b.up(3)
-    b.down()
-    b.down()
-    assert b.active == 1 and changes == [True]
-    b.down()
-    assert changes == [True, False]

@@ -7,11 +7,11 @@ from fractions import Fraction
 
 import pytest
 
-from areal_aio.control.episodes import Bounds, Model
+from areal_aio.control.sources import eval_tasks, training_tasks
 from areal_aio.settings import build_settings
 from areal_aio.tasks import calculator
 from areal_aio.tasks.calculator import MAX_EXPRESSION, CalcError, calculate, evaluate
-from areal_aio.tasks.sources import eval_tasks, training_tasks
+from areal_aio.tasks.episode import Bounds, Model
 from areal_aio.tasks.task import Task
 from tests.conftest import ScriptedReplies
 

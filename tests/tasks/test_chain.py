@@ -5,9 +5,9 @@ from fractions import Fraction
 
 import pytest
 
+from areal_aio.control.sources import eval_tasks, training_tasks
 from areal_aio.settings import build_settings
 from areal_aio.tasks.chain import chain_eval, chain_items, chain_stream, item, solve
-from areal_aio.tasks.sources import eval_tasks, training_tasks
 from areal_aio.tasks.steps import STEP_INSTRUCTION, parse
 
 STEP = re.compile(r"(-?\d+) ([-+*/]) (\d+) = (-?\d+)")

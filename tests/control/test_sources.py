@@ -1,12 +1,15 @@
+"""control/sources.py: the tasks a run trains and evaluates on, as settings name them: generated
+streams, a file's rows (cycled, the last held out), code tasks from the sandbox."""
+
 import itertools
 
 import orjson
 import pytest
 
+from areal_aio.control.sources import eval_tasks, read_tasks, training_tasks
 from areal_aio.settings import build_settings
 from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION
-from areal_aio.tasks.files import read_dataset, read_jsonl, read_parquet, read_tasks
-from areal_aio.tasks.sources import eval_tasks, training_tasks
+from areal_aio.tasks.files import read_dataset, read_parquet
 
 
 def test_arithmetic_stream_is_two_term_single_digit_and_seeded():
@@ -56,17 +59,9 @@ def test_jsonl_source_holds_out_eval_rows(tmp_path):
     assert [t.prompt for t in train[:8]] == [f"q{i}" for i in range(7)] + ["q0"]
 
 
-def test_jsonl_bad_rows_name_the_line(tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2"):
-        read_jsonl(path)
-
-
 def test_streams_resume_at_any_position(tmp_path):
     """A resumed run continues its task stream where it stopped: start=n is the stream minus n."""
     from areal_aio.tasks.arithmetic import EPOCH, arithmetic_stream
-    from areal_aio.tasks.sources import training_tasks
 
     settings = build_settings({}, ["run.seed=3"])
     whole = list(itertools.islice(training_tasks(settings), 40))
@@ -83,41 +78,13 @@ def test_streams_resume_at_any_position(tmp_path):
 CHAT = [{"role": "system", "content": "Answer tersely."}, {"role": "user", "content": "What is 2 + 3?"}]
 
 
-def rows_file(tmp_path, rows: list[dict]) -> str:
-    path = tmp_path / "rows.jsonl"
-    path.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
-    return str(path)
-
-
-def test_chat_rows_and_extra_columns(tmp_path):
-    """{messages, answer} and {prompt: [turns], answer} are chats; other columns travel in extra."""
-    path = rows_file(tmp_path, [
-        {"messages": CHAT, "answer": 5, "difficulty": 2, "tags": ["add"]},
-        {"prompt": CHAT[1:], "answer": "5", "id": "b"},
-        {"prompt": "Say 5.", "answer": "5", "solution": {"steps": [5]}},
-    ])
-    chat, listed, plain = read_jsonl(path)
-    assert chat.prompt == CHAT and chat.messages == CHAT and chat.text == "What is 2 + 3?"
-    assert chat.answer == "5" and chat.extra == {"difficulty": 2, "tags": ["add"]} and chat.id == "1"
-    assert listed.messages == CHAT[1:] and listed.id == "b" and listed.extra == {}
-    assert plain.messages is None and plain.text == "Say 5." and plain.extra == {"solution": {"steps": [5]}}
-
-
-@pytest.mark.parametrize("row,needle", [
-    ({"messages": CHAT + [{"role": "assistant", "content": "5"}], "answer": 5}, "must end with a user turn"),
-    ({"messages": [{"role": "robot", "content": "hi"}], "answer": 5}, "messages[0] is {'role': 'robot'"),
-    ({"messages": [{"role": "user"}], "answer": 5}, "messages[0] is {'role': 'user'}"),
-    ({"messages": [], "answer": 5}, "must end with a user turn"),
-    ({"messages": "What is 2 + 3?", "answer": 5}, "messages is 'What is 2 + 3?'"),
-    ({"messages": CHAT}, "no answer"),
-    ({"messages": CHAT, "prompt": "x", "answer": 5}, "both prompt and messages"),
-    ({"answer": 5}, "no prompt"),
-])
-def test_bad_chat_rows_name_the_line(tmp_path, row, needle):
-    path = rows_file(tmp_path, [{"prompt": "fine", "answer": 1}, row])
-    with pytest.raises(ValueError, match=r"rows.jsonl:2: ") as info:
-        read_jsonl(path)
-    assert needle in str(info.value)
+def test_a_file_rows_tests_are_checked_as_the_judge_reads_them(tmp_path):
+    path = tmp_path / "code.jsonl"
+    path.write_text('{"prompt": "Write f.", "tests": [{"args": [1], "output": 2}], "entry_point": "f"}\n'
+                    '{"prompt": "Write g.", "tests": [{"args": [1]}], "entry_point": "g"}\n')
+    s = build_settings({"task": {"name": "jsonl", "path": str(path)}})
+    with pytest.raises(ValueError, match=r"code.jsonl:2: tests: each needs an output"):
+        read_tasks(s.task)
 
 
 def test_parquet_file_is_a_task_source(tmp_path):
@@ -175,7 +142,7 @@ def code_settings(name: str = "code", **task):
 
 
 async def test_code_tasks_come_as_an_async_stream_and_sft_gets_a_plain_one():
-    from areal_aio.tasks.code import code_stream
+    from areal_aio.rewards.code_tasks import code_stream
 
     s = code_settings()
     stream = training_tasks(s, start=1)
@@ -209,7 +176,7 @@ async def test_a_run_on_code_tasks_is_judged_in_the_sandbox(tmp_path, monkeypatc
     solution from version 2 on, and a wrong function before."""
     from areal_aio.control.controller import Orchestrator
     from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
-    from areal_aio.tasks.code import code_eval, code_stream
+    from areal_aio.rewards.code_tasks import code_eval, code_stream
     from tests.conftest import make_settings
 
     monkeypatch.setenv("AREAL_AIO_CACHE", str(tmp_path / "cache"))

@@ -1,5 +1,6 @@
-"""Code with execution feedback: an episode for the code tasks (tasks/code.py, or JSONL rows with
-tests), task.episode = "areal_aio.tasks.code_feedback:episode".
+"""Code with execution feedback: an episode for the code tasks (rewards/code_tasks.py, or JSONL
+rows with tests), task.episode = "areal_aio.rewards.code_feedback:episode". It lives with the judge it
+runs; the Model it talks to is tasks/episode.py's.
 
 The model writes the program; it is judged in the sandbox (rewards/code.py `judge`: each run
 isolated there, the verdict computed outside it). While it fails and replies are left
@@ -14,14 +15,11 @@ The sandbox run blocks for up to its wall clock: it runs in a thread, off the ev
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from areal_aio.rewards.code import judge
 from areal_aio.rewards.scoring import Score
+from areal_aio.tasks.episode import Model
 from areal_aio.tasks.task import Task
-
-if TYPE_CHECKING:
-    from areal_aio.control.episodes import Model
 
 FEEDBACK = ("The program failed the tests: {why}. Fix it and reply with the whole program in one "
             "```python block.")

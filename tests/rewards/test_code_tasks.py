@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from areal_aio.rewards import code_tasks
 from areal_aio.rewards.code import judge, reward
-from areal_aio.tasks import code as tasks
-from areal_aio.tasks.code import (
+from areal_aio.rewards.code_tasks import (
     code_item,
     code_stream,
     code_stream_async,
@@ -52,7 +52,7 @@ def test_code_items_are_a_function_of_seed_and_index():
     assert [t.id for t in a] == ["t3", "t4"] and a == b
     assert code_item(1, 3) != a[0]
     task = a[0]
-    assert task.extra["entry_point"] == "main_solution" and len(task.extra["tests"]) >= tasks.MIN_TESTS
+    assert task.extra["entry_point"] == "main_solution" and len(task.extra["tests"]) >= code_tasks.MIN_TESTS
     assert "main_solution(" in task.text and "```python" in task.text
     json.dumps(task.extra)  # JSON all the way: it travels in sample rows and pipes
 
@@ -64,8 +64,8 @@ def test_a_reference_solution_passes_its_items_tests_and_a_wrong_one_fails():
 
 
 def test_held_out_problems_are_never_trained_on():
-    train, held = set(tasks.split(False)), set(tasks.split(True))
-    assert not train & held and len(train) + len(held) == len(tasks.codeio_problems())
+    train, held = set(code_tasks.split(False)), set(code_tasks.split(True))
+    assert not train & held and len(train) + len(held) == len(code_tasks.codeio_problems())
     assert code_item(0, 0, held_out=True).extra["problem"] in held
     assert all(code_item(0, i).extra["problem"] in train for i in range(3))
 
@@ -81,10 +81,10 @@ async def test_the_async_stream_gives_the_same_items():
 
 def test_the_held_out_set_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("AREAL_AIO_CACHE", str(tmp_path))
-    first = tasks.code_eval(None, seed=5, size=2)
+    first = code_tasks.code_eval(None, seed=5, size=2)
     assert [t.id for t in first] == ["e0", "e1"]
     assert list((tmp_path / "code").glob("codeio-eval-5-2-*.json"))
-    assert tasks.code_eval(None, seed=5, size=2) == first
+    assert code_tasks.code_eval(None, seed=5, size=2) == first
 
 
 def test_a_users_jsonl_of_code_tasks(tmp_path):
@@ -95,7 +95,7 @@ def test_a_users_jsonl_of_code_tasks(tmp_path):
     ]
     path = tmp_path / "code.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    read = tasks.read_code_jsonl(path)
+    read = code_tasks.read_code_jsonl(path)
     assert [t.id for t in read] == ["r0", "io", "r2"]
     assert reward(read[0], "def add(a, b):\n    return a + b", **read[0].extra).passed
     assert reward(read[1], "print(input())", **read[1].extra).passed
@@ -114,7 +114,7 @@ def test_a_bad_row_is_named_by_its_line(tmp_path, row, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "ok", "tests": [{"stdin": "", "stdout": ""}]}) + "\n" + json.dumps(row))
     with pytest.raises(ValueError, match=rf"bad.jsonl:2: .*{message}"):
-        tasks.read_code_jsonl(path)
+        code_tasks.read_code_jsonl(path)
 
 
 @pytest.mark.slow
