@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import orjson
 import pytest
 
@@ -11,6 +13,8 @@ from tests.conftest import make_settings, orchestrator
 
 STEPS = 6
 STALENESS = [0, 1, 1, 2]  # of each step's four samples
+STEP_S = 0.02
+"""A fake training step's seconds in the busy-time check: long next to the 0.1 ms event times keep."""
 
 
 def jsonl(rows: list[dict]) -> bytes:
@@ -157,17 +161,27 @@ def test_runs_with_the_same_folder_name_are_told_apart(tmp_path):
 
 
 async def test_report_on_a_run_the_controller_wrote(tmp_path):
-    """The controller's own rows (fake workers): every figure has data, busy events included."""
+    """The controller's own rows (fake workers): every figure has data, busy events included: they
+    give each worker's stretches of work, in order, never overlapping, adding up to the busy time
+    behind the summary's idle fraction, and the timeline draws each."""
+    from areal_aio.fleet.fakes import FakeTrainer
+
     settings = make_settings("areal", **{"run.max_steps": 4})
-    await orchestrator(tmp_path, settings).run()
+    summary = await orchestrator(tmp_path, settings, trainer=FakeTrainer(step_delay_s=STEP_S)).run()
     run = read_run(tmp_path / "run")
     assert run.state == "completed" and len(run.steps) == 4 and run.unreadable == 0
     assert [r["step"] for r in run.evals] == [0, 2, 4]
     assert len(run.staleness) == 16
-    trainer = run.busy_intervals("trainer")
-    assert len(trainer) >= 1 and all(length >= 0 for _, length in trainer)
-    assert run.busy_intervals("rollout")
     figs = figures([run])
+    drawn = {c.get_label(): len(c.get_paths()) for c in figs["timeline"].axes[0].collections}
+    for worker in ("trainer", "rollout"):
+        stretches = run.busy_intervals(worker)
+        assert stretches and drawn[worker] == len(stretches), worker
+        assert all(start + length <= after for (start, length), (after, _) in itertools.pairwise(stretches)), worker
+        busy_s = (1 - summary[f"{worker}_idle_frac"]) * summary["wall_s"]
+        # event times are kept to 0.1 ms, wall_s to 1 ms
+        assert abs(sum(length for _, length in stretches) - busy_s) < 2e-3 + 2e-4 * len(stretches), worker
+    assert sum(length >= 0.95 * STEP_S for _, length in run.busy_intervals("trainer")) >= 4  # each step's
     assert len(figs["training"].axes[0].get_lines()[0].get_xdata()) == 4
     assert list(figs["queues"].axes[-1].get_lines()[0].get_ydata()) == [0, 1, 2, 3, 4]
 

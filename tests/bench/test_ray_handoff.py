@@ -1,6 +1,7 @@
 """bench/ray_handoff.py runs end to end in --quick mode on a private local Ray cluster: three
 rollout workers (local, a Ray actor, a Ray actor whose weights are shipped), each loading every
-version the trainer's actor publishes; it leaves no Ray connection and no /dev/shm folder."""
+version the trainer's actor publishes; it leaves no Ray connection and none of its /dev/shm folders
+(its store's and the shipped actor's beside it; other runs on the machine may have theirs)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,19 @@ pytestmark = pytest.mark.slow
 ray = need("ray")
 
 
-def test_ray_handoff_quick(tmp_path, capsys) -> None:
-    from areal_aio.store.weights import SHM_BASE
+def test_ray_handoff_quick(tmp_path, capsys, monkeypatch) -> None:
+    from areal_aio.store.weights import SHM_BASE, WeightStore
     from bench import ray_handoff
 
-    before = set(SHM_BASE.iterdir()) if SHM_BASE.is_dir() else set()
+    made = []
+
+    class Recorded(WeightStore):
+        @classmethod
+        def create(cls, run_name: str, base=SHM_BASE) -> WeightStore:
+            made.append(run_name)
+            return super().create(run_name, base)
+
+    monkeypatch.setattr(ray_handoff, "WeightStore", Recorded)
     assert ray_handoff.main(["--quick", "--out", str(tmp_path)]) == 0
     assert "shipped" in capsys.readouterr().out
     res = json.loads((tmp_path / "results.json").read_text())
@@ -34,5 +43,6 @@ def test_ray_handoff_quick(tmp_path, capsys) -> None:
         assert r["handoff_vs_local"] == pytest.approx(r["handoff_s"] / statistics.median(rows["local"]["handoff_all"]))
     assert (tmp_path / "ray_handoff.png").stat().st_size > 1000
     assert not ray.is_initialized()
-    after = set(SHM_BASE.iterdir()) if SHM_BASE.is_dir() else set()
-    assert after <= before
+    (name,) = made  # the run's store; a shipped actor's folder is named after it: <name>-rollout<i>
+    left = [p.name for p in SHM_BASE.glob(f"{name}*") if p.name == name or p.name.startswith(name + "-")]
+    assert not left, left
