@@ -50,6 +50,8 @@ MAX_INT_BITS = 14_000
 REL_TOL, ABS_TOL = 1e-6, 1e-9
 """Floats compare to this (codeio's references round; a harness float is exact)."""
 FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+HARNESS_MODULES = ("json", "random")
+"""What the harness and the driver import: the sandbox's init imports them once before it forks."""
 RESULT_LINES_MAX = 10_000
 """Result lines read from one run (the 1 MB cap comes first for any real test)."""
 RECORD_DEPTH = 3 * MAX_DEPTH + 8
@@ -472,7 +474,8 @@ def function_results(program: str, entry_point: str, tests: list[dict[str, Any]]
     failed to start."""
     inputs = [encode([list(t.get("args", [])), dict(t.get("kwargs", {}))]) for t in tests]
     outcome = sandbox.run(harness({"mode": "call", "program": program, "entry_point": entry_point,
-                                   "inputs": inputs}), wall_s=wall_s, packages=packages)
+                                   "inputs": inputs}), wall_s=wall_s, packages=packages,
+                          preload=HARNESS_MODULES)
     if outcome.infra:
         return None, outcome.error
     failed = [False] * len(tests)
@@ -539,7 +542,7 @@ def run_check_tests(program: str, tests: str, entry_point: str, prefix: str = ""
         return None, f"the test code cannot be used: {exc}"
     outcome = sandbox.run(harness({"mode": "serve", "program": program, "entry_point": entry_point}),
                           driver=driver({"prefix": prefix, "tests": module, "entry_point": entry_point}),
-                          wall_s=wall_s, packages=packages)
+                          wall_s=wall_s, packages=packages, preload=HARNESS_MODULES)
     if outcome.infra:
         return None, outcome.error
     verdict = read_results(outcome)

@@ -164,7 +164,7 @@ def problem_tests(problem: dict[str, Any], seeds: list[int]) -> list[dict[str, A
     program = f"{problem['code_sample']}\n\n{problem['input_generator']}\n"
     packages = problem_packages(program)
     outcome = sandbox.run(judge.harness({"mode": "generate", "program": program, "seeds": seeds}),
-                          wall_s=GENERATE_WALL_S, packages=packages)
+                          wall_s=GENERATE_WALL_S, packages=packages, preload=judge.HARNESS_MODULES)
     tests, seen = [], set()
     for record in judge.read_results(outcome):
         try:

@@ -39,6 +39,7 @@ import fcntl
 import functools
 import glob
 import json
+import marshal
 import os
 import platform
 import secrets
@@ -75,6 +76,8 @@ TMPFS_MB = 64
 MEMORY_SHARE = 0.5
 """Without a cgroup, memory is bounded per process: processes x address space of every program
 running at once stays within this share of the machine's RAM (Limits.procs is lowered to fit)."""
+PRELOADABLE = frozenset({"json", "random", "math", "collections", "itertools", "functools", "re"})
+"""Standard modules a caller may ask the init to import before it forks (`run(preload=...)`)."""
 RESULTS_FD = 3
 """The program's results channel (a pipe the parent reads); the driver's, when there is one."""
 PACKAGES_AT = "/packages"
@@ -174,8 +177,8 @@ class Layers:
 # ------------------------------------------------------------------------- the ns's init
 
 BOOT = r'''
-import ctypes, json, os, resource, select, signal, sys
-cfg = json.loads(sys.argv[1])
+import ctypes, marshal, os, resource, select, signal, sys
+cfg = marshal.loads(bytes.fromhex(sys.argv[1]))  # marshal: built in, so no import before the walls
 ctl = cfg["control"]
 libc = ctypes.CDLL(None, use_errno=True)
 RDONLY, NOSUID, NODEV, NOEXEC, REMOUNT, BIND, MOVE, REC = 1, 2, 4, 8, 32, 4096, 8192, 16384
@@ -356,7 +359,9 @@ def start(role, code_fd, fds):
         finally:
             os._exit(status & 0xFF)
 try:
-    import fcntl, random, site, traceback  # imported once here, before the forks: not per process
+    import fcntl, site
+    for name in cfg["preload"]:  # what every process of the run imports, once, before the forks
+        __import__(name)
     site.setquit()  # exit() and quit(), which the interpreter's -S leaves out
     build_root("/tmp")
     libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: its cmdline, memory and fds are no program's to read
@@ -674,11 +679,14 @@ def _machine_slot():
 
 
 def run(source: str, stdin: bytes = b"", *, wall_s: float = WALL_S, limits: Limits = Limits(),
-        driver: str | None = None, packages: tuple[str, ...] | list[str] = ()) -> Outcome:
+        driver: str | None = None, packages: tuple[str, ...] | list[str] = (),
+        preload: tuple[str, ...] = ()) -> Outcome:
     """Run `source` as a Python program (__main__) in the sandbox. It writes results to fd 3;
     with a `driver` (a trusted program: the tests), the program instead talks to the driver on
     fds 3 (to it) and 4 (from it), the driver has fd 3 to the parent and fds 4 (to the program)
     and 5 (from it). `packages`: importable from /packages besides the standard library.
+    `preload`: standard modules the init imports before it forks (a harness's json: imported once
+    for the driver and the program, not by each).
     Blocks until it ends or is killed; never raises for anything the program does."""
     lay = layers()
     if lay.mode is None:
@@ -688,11 +696,11 @@ def run(source: str, stdin: bytes = b"", *, wall_s: float = WALL_S, limits: Limi
     except ValueError as exc:
         return Outcome("infra", error=str(exc))
     with _SLOTS, _machine_slot():
-        return _run(source, stdin, wall_s, limits, lay, driver, bound)
+        return _run(source, stdin, wall_s, limits, lay, driver, bound, preload)
 
 
 def _run(source: str, stdin: bytes, wall_s: float, limits: Limits, lay: Layers, driver: str | None,
-         packages: list[tuple[str, str]] | tuple) -> Outcome:
+         packages: list[tuple[str, str]] | tuple, preload: tuple[str, ...] = ()) -> Outcome:
     uid = UID_BASE + 2 * secrets.randbelow(UID_SPAN // 2) if lay.mode == "root" else None
     cpu = limits.cpu_s if limits.cpu_s is not None else int(wall_s) + 2
     names = ["code", "stdin", "stdout", "stderr", "results", "control"] + (["driver"] if driver is not None else [])
@@ -705,14 +713,14 @@ def _run(source: str, stdin: bytes, wall_s: float, limits: Limits, lay: Layers, 
            "control": child_fds["control"], "uid": uid, "inner": INNER_UID, "binds": binds, "links": links,
            "cover": cover, "packages": packages, "packages_at": PACKAGES_AT, "tmpfs_mb": TMPFS_MB,
            "pivot": PIVOT_ROOT.get(platform.machine()), "deadline_s": wall_s + GRACE_S,
-           "seccomp": seccomp_filter() if lay.seccomp else None,
+           "seccomp": seccomp_filter() if lay.seccomp else None, "preload": [m for m in preload if m in PRELOADABLE],
            "limits": {"as": limits.memory_mb << 20, "nproc": min(limits.procs, lay.procs or limits.procs),
                       "fsize": limits.file_mb << 20, "cpu": cpu, "nofile": limits.open_files}, "env": ENV}
     flags = [f"--{n}" for n in lay.namespaces if n != "user"]
     if "user" in lay.namespaces:
         flags = ["--user", "--map-root-user", *flags]
     argv = [lay.unshare or "unshare", *flags, "--fork", "--kill-child", "--",
-            interpreter(), "-I", "-S", "-B", "-c", BOOT, json.dumps(cfg)]
+            interpreter(), "-I", "-S", "-B", "-c", BOOT, marshal.dumps(cfg).hex()]
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(argv, stdin=pipes["stdin"][0], stdout=pipes["stdout"][1],
