@@ -107,7 +107,7 @@ class RunSettings:
     progress: bool = opt(True, "Print a live progress line to stderr (one plain line per step when stderr is not a terminal).")
     report_to: list = opt([], "Also send step and eval metrics to any of tensorboard, wandb, trackio (each an optional extra: pip install 'areal_aio[tensorboard]'); the JSONL rows stay the record.")
     log_completions_every: int = opt(10, "Every this many steps, show a few prompts with their replies, rewards and versions (console and completions.md in the run folder); 0 = off.", ge=0)
-    checkpoint_every: int = opt(50, "Write a checkpoint (policy, optimizer, controller state) every this many steps, and at every stop; 0 = no checkpoints. What one costs a run: README, What a run keeps.", ge=0)
+    checkpoint_every: int = opt(50, "Write a checkpoint (policy, optimizer, controller state) every this many steps, and at every stop; 0 = no checkpoints. What one costs a run: docs/runs.md.", ge=0)
     keep_checkpoints: int = opt(1, "Checkpoints kept in <run>/checkpoints (the newest); each holds about 3x the fp32 model (weights and AdamW moments).", ge=1)
     keep_best: bool = opt(False, "Also keep <run>/best/: the trained version with the highest held-out pass rate, as an HF folder.")
 
@@ -215,10 +215,10 @@ class RolloutSettings:
     top_p: float = opt(1.0, "Nucleus sampling mass; 1.0 disables.", gt=0, le=1)
     interrupt: bool = opt(True, "On new weights, stop at the next chunk, reload, rebuild the KV cache and continue (preset by run.mode).")
     max_batch: int = opt(32, "Sequences decoded together (continuous-batching slots).", ge=1)
-    kv_on_update: str = opt("rebuild", "What an interrupt does to the rows in flight after loading new weights: rebuild (recompute their KV under the new weights, as AReaL does) | keep (decode on over the KV the old weights computed, as PipelineRL does: no rebuild pass; the tokens drawn after the load carry the new version and the log-probs of the mixed state that drew them, which decoupled PPO corrects for; README: Rebuilding or keeping the KV after a weight update).", choices=("rebuild", "keep"))
+    kv_on_update: str = opt("rebuild", "What an interrupt does to the rows in flight after loading new weights: rebuild (recompute their KV under the new weights, as AReaL does) | keep (decode on over the KV the old weights computed, as PipelineRL does: no rebuild pass; the tokens drawn after the load carry the new version and the log-probs of the mixed state that drew them, which decoupled PPO corrects for; docs/rollout.md).", choices=("rebuild", "keep"))
     chunk_tokens: int = opt(8, "Decode steps between looks at the pipe (the interrupt granularity).", ge=1)
     dtype: str = opt("float32", "float32 | bfloat16 weights for generation.", choices=("float32", "bfloat16"))
-    quantize: str = opt("auto", "auto | off | int8: generation multiplies in int8 (CPU only; rows and weight channels scaled, a Hadamard rotation against outlier channels; areal_aio/workers/rollout/int8.py). auto: int8 where every rollout worker is on the CPU, generates float32 and LoRA, if any, is merged; off elsewhere (a GPU, bfloat16). The trainer keeps float32; decoupled PPO corrects for the difference, reported per step as mismatch_kl. Held-out evals run on the rollout worker, so they measure the int8 policy (README: int8 rollout).", choices=("auto", "off", "int8"))
+    quantize: str = opt("auto", "auto | off | int8: generation multiplies in int8 (CPU only; rows and weight channels scaled, a Hadamard rotation against outlier channels; areal_aio/workers/rollout/int8.py). auto: int8 where every rollout worker is on the CPU, generates float32 and LoRA, if any, is merged; off elsewhere (a GPU, bfloat16). The trainer keeps float32; decoupled PPO corrects for the difference, reported per step as mismatch_kl. Held-out evals run on the rollout worker, so they measure the int8 policy (docs/rollout.md).", choices=("auto", "off", "int8"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +227,7 @@ class TrainerSettings:
     devices: list = opt([], "A data-parallel trainer: a list of devices, one torch.distributed rank each (NCCL on GPUs, gloo on CPU), or a count N of CPU ranks (trainer.threads cores each); [] = one rank on trainer.device. Each step's micro-batches are split across ranks by tokens; rank 0 publishes.", parse=devices_value)
     threads: int = opt(1, "Torch intra-op threads of the trainer worker. run.mode = sync on a CPU presets every core of the machine (see rollout.threads).", ge=1)
     batch_size: int = opt(32, "Samples per trainer step (B in the admission rule); a multiple of rollout.group_size.", ge=1)
-    objective: str = opt("decoupled_ppo", "pg | ppo | decoupled_ppo (preset to decoupled_ppo by run.mode = areal) | gspo (sequence-level ratio and clip; its paper's clip_eps is ~3e-4) | cispo (a clipped, stop-gradient IS weight on every token's log-prob); gspo and cispo take their ratio against pi_prox and correct for the behaviour policy as decoupled_ppo does (README: Loss and sampling options).", choices=OBJECTIVES)
+    objective: str = opt("decoupled_ppo", "pg | ppo | decoupled_ppo (preset to decoupled_ppo by run.mode = areal) | gspo (sequence-level ratio and clip; its paper's clip_eps is ~3e-4) | cispo (a clipped, stop-gradient IS weight on every token's log-prob); gspo and cispo take their ratio against pi_prox and correct for the behaviour policy as decoupled_ppo does (docs/objectives.md).", choices=OBJECTIVES)
     lr: float = opt(1e-5, "AdamW learning rate.", gt=0)
     weight_decay: float = opt(0.0, "AdamW weight decay.", ge=0)
     advantage: str = opt("grpo", "grpo (group mean and std) | drgrpo (group mean only) | batch (batch mean and std).", choices=ADVANTAGES)
@@ -272,13 +272,13 @@ def lora_targets_value(key: str, value: Any) -> str | list:
 @dataclass(frozen=True, slots=True)
 class LoraSettings:
     """LoRA (built on peft): the base frozen on both workers, a low-rank adapter trained and
-    handed over alone (workers/lora.py; README, LoRA)."""
+    handed over alone (workers/lora.py; docs/lora.md)."""
 
     rank: int = opt(0, "Rank r of the adapter on each targeted linear layer (W + alpha / r * B A, B starting at 0); 0 = full fine-tuning (every weight trained and handed over).", ge=0)
     alpha: float = opt(16.0, "The adapter's scale numerator: its update is multiplied by alpha / rank.", gt=0)
     dropout: float = opt(0.0, "Dropout on the adapter's input in the trainer's gradient passes (the proximal, reference and rollout passes run without it, so pi_prox stays a no-grad pass of its own); 0 = off.", ge=0, le=0.9)
     targets: str | list = opt(LORA_ALL, "\"all-linear\" (every linear layer of the blocks; the output layer is never adapted) or a list of module names, e.g. [\"q_proj\", \"v_proj\"]; a name the model lacks is an error naming the model's linear modules.", parse=lora_targets_value)
-    merge: bool = opt(True, "How the rollout worker applies each version: true = merged into its weights, W = W_base + alpha / rank * B A recomputed from a pristine copy of the base each version (no error accumulates; decoding costs what the plain model costs) | false = peft's LoRA layers kept unmerged in the engine (no copy of the base; every decode step pays the adapter's matmuls). Measured: README, LoRA.")
+    merge: bool = opt(True, "How the rollout worker applies each version: true = merged into its weights, W = W_base + alpha / rank * B A recomputed from a pristine copy of the base each version (no error accumulates; decoding costs what the plain model costs) | false = peft's LoRA layers kept unmerged in the engine (no copy of the base; every decode step pays the adapter's matmuls). Measured: docs/lora.md.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +296,7 @@ class ControllerSettings:
 @dataclass(frozen=True, slots=True)
 class SftSettings:
     data: str = opt("generated", "What `python -m areal_aio sft` trains on: generated (the task's reference replies: the worked step-tagged solutions of task.name = chain, the tagged answer of arithmetic) or a JSONL file of {\"prompt\", \"completion\"} rows or chat rows {\"messages\": [system (optional), user, assistant]}. Pairs whose prompt is a held-out prompt are left out.")
-    steps: int = opt(40, "Optimizer steps, one per batch of pairs. What the default teaches SmolLM2-135M-Instruct, and in how long: README, Cold start.", ge=1)
+    steps: int = opt(40, "Optimizer steps, one per batch of pairs. What the default teaches SmolLM2-135M-Instruct, and in how long: docs/cold-start.md.", ge=1)
     batch_size: int = opt(8, "Prompt/completion pairs per step.", ge=1)
     lr: float = opt(1e-4, "AdamW learning rate, constant (trainer.weight_decay, grad_clip, micro_tokens, bf16, device and threads apply as in a run).", gt=0)
     eval_size: int = opt(64, "Held-out prompts (the first of the task's held-out set) answered greedily before and after tuning, scored for valid step-tagged replies and passes; 0 = no eval.", ge=0)

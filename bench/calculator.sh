@@ -10,7 +10,7 @@
 # calculator's with its tool): pass rate, tool-call rate, replies and tokens per episode over
 # the first and the last 5 trained steps, and the same for the first and the last held-out eval
 # (greedy; a calculator run's eval runs its episodes, tool turns included); from summary.json
-# the steps, the episode failures and the eval curve (README, Multi-turn episodes and tools;
+# the steps, the episode failures and the eval curve (docs/episodes.md;
 # bench/results/epyc-2core/calculator.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -2,8 +2,8 @@
 # The code-with-feedback episode against one reply: HumanEval's 164 problems, greedy, the model
 # shown why its program failed (the first failing test's reason, never the expected values) and
 # asked again, up to TURNS replies. The episode's first reply is the one-reply eval's reply (same
-# prompt, greedy), so one run gives both: pass after reply 1, after reply 2, ... (README:
-# Multi-turn episodes and tools; bench/results/epyc-2core/code_feedback.json).
+# prompt, greedy), so one run gives both: pass after reply 1, after reply 2, ... (docs/episodes.md;
+# bench/results/epyc-2core/code_feedback.json).
 #
 #     bash bench/code_feedback.sh [OUT] [TURNS]   # default bench/out/code-feedback, 3
 #     MODEL=embedded:tiny-random MAX_NEW=16 bash bench/code_feedback.sh OUT 2   # a smoke run (~20 s)

@@ -7,7 +7,7 @@
 # Each arm is bench/time_to_threshold.py's grid (it resumes: finished cells are reused). Last,
 # OUT/lora_threshold.json gathers both arms: per seed the time to 0.70, the first eval step at
 # or above it, the trainer's and rollout's idle fractions and the eval curve; per arm the
-# median and mean time and the median step (README, LoRA; bench/results/epyc-2core/lora_threshold.json).
+# median and mean time and the median step (docs/lora.md; bench/results/epyc-2core/lora_threshold.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # the command line as given (and the knobs below as the environment set them), for the results file

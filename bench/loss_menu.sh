@@ -14,7 +14,7 @@
 # Last, bench/loss_menu_report.py gathers the arms into OUT/loss_menu.json and OUT/loss_menu.png:
 # per seed the time and first eval step at 0.70 and at THRESHOLD, the final pass rate, the mean
 # entropy of the last 5 steps, the skipped samples and the reward and entropy curves; per arm the
-# medians over the seeds that reached each (README, Loss and sampling options).
+# medians over the seeds that reached each (docs/objectives.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # the command line as given (and the knobs below as the environment set them), for the results file

@@ -13,7 +13,7 @@
               `UnmergedAdapter` (lora.merge = false): peft's LoRA layers in the engine, the
               file read into them; no copy of the base, the adapter's matmuls every step.
               Merged is the default: a merge per version costs less than what unmerged
-              decoding loses in one trainer step (README, LoRA: bench/lora.py's figures)
+              decoding loses in one trainer step (docs/lora.md: bench/lora.py's figures)
     keeping   model/ = `write_merged` (a plain HF folder, loadable without peft), adapter/ =
               `save_adapter` (PEFT's format: adapter_config.json, adapter_model.safetensors),
               checkpoints = the adapter + its AdamW state + `base_identity` (checked at resume)

@@ -146,7 +146,7 @@ class Relay:
         """A published weight file's bytes (the trainer's actor, on the controller's node), as a
         uint8 array mapped from the file: Ray copies it into the object store once, with no
         read into this process and no pickling, and the receiving actor reads it from there
-        without a copy (bytes took longer: README, "Scale-out")."""
+        without a copy (bytes took longer: docs/scale-out.md)."""
         with open(path, "rb") as fh:
             return np.frombuffer(mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ), dtype=np.uint8)
 

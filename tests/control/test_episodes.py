@@ -1,7 +1,7 @@
 """Multi-turn episodes (control/episodes.py) against the fake workers: the one sequence an episode
 trains (exact ids, mask, log-probs, versions), staleness over trained tokens, bounds and failures
-(scored 0, counted), stop and cancel mid-episode, restarts, resume; the README's example on the
-real workers (slow)."""
+(scored 0, counted), stop and cancel mid-episode, restarts, resume; the docs' example (docs/episodes.md) on
+the real workers (slow)."""
 
 from __future__ import annotations
 

@@ -464,7 +464,7 @@ def test_a_lora_run_keeps_model_and_adapter_resumes_exactly_and_eval_takes_eithe
                            str(tmp_path / "eval-model.json")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     # adapter/ through the eval command's own path (its settings, then evaluate_model); the
-    # command's preflight takes a folder with config.json only, for now (README, LoRA)
+    # command's preflight takes a folder with config.json only, for now (docs/lora.md)
     settings, spec, _ = model_settings(str(tmp_path / "whole" / "adapter"), str(tmp_path / "whole" / "settings.toml"), [])
     assert spec == str(tmp_path / "whole" / "adapter")
     asyncio.run(evaluate_model(settings, tmp_path / "eval-adapter.json"))

@@ -556,7 +556,7 @@ class Engine:
         The tokens they draw from then on carry `version` and their log-probs are those of the
         mixed state that drew them, which is what decoupled PPO's behaviour policy is. The
         trainer recomputes them under one version; mismatch_kl reports the difference (on the
-        default run it did not rise: README, "Rebuilding or keeping the KV").
+        default run it did not rise: docs/rollout.md).
         """
         load_s = self.load(self.model, path)
         self.version = version

@@ -42,7 +42,7 @@ after the prompt; workers/trainer/microbatch.py). The result equals the per-sequ
 forward (a test checks log-probs and gradients), and the work is the real tokens,
 P + sum(C_i - 1) per group, where rows padded to the longest reply cost
 G * (P + C_max) unshared and P + G * (C_max - 1) with the prompt's KV shared
-(README, Components, has both measured on a run's replies). It needs an
+(docs/benchmarks.md has both measured on a run's replies). It needs an
 attention that takes a custom mask (sdpa or eager). auto leaves it off on CUDA,
 where a 135M model is kernel-launch-bound and this layout is not measured yet.
 
