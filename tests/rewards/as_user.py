@@ -1,8 +1,8 @@
 """Run Python code as an unprivileged uid, the way most users run the sandbox (the tests run
 as root). The child is a real uid with no capability; only its mount namespace is its own, so
-that an interpreter installed where that uid cannot enter (/root/.pyenv) is reachable: the
-folder it cannot enter is covered by a tmpfs with the interpreter's and the project's folders
-bound back."""
+that an interpreter installed where that uid cannot enter (pyenv's default, under root's home)
+is reachable: the folder it cannot enter is covered by a tmpfs with the interpreter's and the
+project's folders bound back."""
 
 from __future__ import annotations
 
