@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import math
 import os
@@ -34,6 +35,10 @@ names (torch-free, so the controller and `check` read them); workers/trainer/los
 SFT = "sft"
 """The supervised objective: negative log-likelihood of the completion tokens. `python -m
 areal_aio sft` asks for it in each Train message; it is not a trainer.objective (RL runs)."""
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8", "i8mm")
+"""CPU flags of an int8 dot-product unit (x86 VNNI, AMX; Arm i8mm). Where none is present torch's
+int8 matmul does not pay: on a 2-core EPYC with AVX2 alone, 6.6 tok/s in int8 against 46.2 in
+float32 (bench/results/epyc-2core-novnni/rollout_throughput_int8.json), so auto stays float32."""
 TASK_FILES = {"jsonl": None, "parquet": "pyarrow", "datasets": "datasets"}
 """task.name -> the package its reader needs (None: the standard library)."""
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
@@ -93,6 +98,18 @@ def opt(default: Any, doc: str, *, choices: tuple | None = None, ge: float | Non
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+@functools.cache
+def int8_fast_cpu() -> bool:
+    """Whether this machine's CPU has an int8 dot-product unit (INT8_DOT_FLAGS, read from
+    /proc/cpuinfo once); False where that cannot be read."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return False
+    flags = {f for line in lines if line.startswith(("flags", "Features")) for f in line.partition(":")[2].split()}
+    return any(flag in flags for flag in INT8_DOT_FLAGS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +235,7 @@ class RolloutSettings:
     kv_on_update: str = opt("rebuild", "What an interrupt does to the rows in flight after loading new weights: rebuild (recompute their KV under the new weights, as AReaL does) | keep (decode on over the KV the old weights computed, as PipelineRL does: no rebuild pass; the tokens drawn after the load carry the new version and the log-probs of the mixed state that drew them, which decoupled PPO corrects for; docs/rollout.md).", choices=("rebuild", "keep"))
     chunk_tokens: int = opt(8, "Decode steps between looks at the pipe (the interrupt granularity).", ge=1)
     dtype: str = opt("float32", "float32 | bfloat16 weights for generation.", choices=("float32", "bfloat16"))
-    quantize: str = opt("auto", "auto | off | int8: generation multiplies in int8 (CPU only; rows and weight channels scaled, a Hadamard rotation against outlier channels; areal_aio/workers/rollout/int8.py). auto: int8 where every rollout worker is on the CPU, generates float32 and LoRA, if any, is merged; off elsewhere (a GPU, bfloat16). The trainer keeps float32; decoupled PPO corrects for the difference, reported per step as mismatch_kl. Held-out evals run on the rollout worker, so they measure the int8 policy (docs/rollout.md).", choices=("auto", "off", "int8"))
+    quantize: str = opt("auto", "auto | off | int8: generation multiplies in int8 (CPU only; rows and weight channels scaled, a Hadamard rotation against outlier channels; areal_aio/workers/rollout/int8.py). auto: int8 where every rollout worker is on the CPU, generates float32 and LoRA, if any, is merged, on a CPU with an int8 dot-product unit (AVX-512 VNNI, AVX-VNNI, AMX, Arm i8mm); off elsewhere (a GPU, bfloat16, a CPU without one, where int8 is slower than float32). The trainer keeps float32; decoupled PPO corrects for the difference, reported per step as mismatch_kl. Held-out evals run on the rollout worker, so they measure the int8 policy (docs/rollout.md).", choices=("auto", "off", "int8"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,12 +456,14 @@ class Settings:
     @property
     def rollout_quantize(self) -> str:
         """rollout.quantize in force, "int8" or "off": auto is int8 where every rollout worker is
-        on the CPU, generates float32, and LoRA, if any, is merged into each version."""
+        on the CPU, generates float32, and LoRA, if any, is merged into each version, on a CPU
+        with an int8 dot-product unit (int8_fast_cpu)."""
         if self.rollout.quantize != "auto":
             return self.rollout.quantize
         cpu = all(dev.startswith("cpu") for dev in self.rollout_devices)
         merged = not self.lora.rank or self.lora.merge
-        return "int8" if cpu and self.rollout.dtype == "float32" and merged else "off"
+        fits = cpu and self.rollout.dtype == "float32" and merged
+        return "int8" if fits and int8_fast_cpu() else "off"
 
     @property
     def rollout_devices(self) -> list[str]:

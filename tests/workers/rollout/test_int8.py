@@ -174,8 +174,22 @@ def test_settings_take_int8_on_cpu():
     (("rollout.quantize=off",), "off"),
     (("rollout.quantize=int8",), "int8"),
 ])
-def test_auto_quantizes_where_int8_can_run_and_never_refuses(overrides, resolved):
+def test_auto_quantizes_where_int8_can_run_and_never_refuses(overrides, resolved, monkeypatch):
+    from areal_aio import settings
+
+    monkeypatch.setattr(settings, "int8_fast_cpu", lambda: True)
     assert build_settings({}, overrides).rollout_quantize == resolved
+    monkeypatch.setattr(settings, "int8_fast_cpu", lambda: False)  # no int8 dot-product unit: float32
+    assert build_settings({}, overrides).rollout_quantize == ("int8" if "rollout.quantize=int8" in overrides else "off")
+
+
+def test_an_int8_dot_product_unit_is_read_from_the_cpu_flags():
+    from pathlib import Path
+
+    from areal_aio import settings
+
+    words = set(Path("/proc/cpuinfo").read_text().split())
+    assert settings.int8_fast_cpu() == any(flag in words for flag in settings.INT8_DOT_FLAGS)
 
 
 def test_layers_reading_one_input_quantize_it_once_and_compute_the_same(tiny, monkeypatch):
