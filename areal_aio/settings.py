@@ -489,7 +489,7 @@ class Settings:
         out = [f"# resolved settings (mode presets and overrides applied); eta = {self.eta}"]
         for name, values in self.to_dict().items():
             out.append(f"\n[{name}]")
-            out.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            out.extend(f"{key} = {toml_value(value)}" for key, value in values.items())
         return "\n".join(out) + "\n"
 
 
@@ -544,7 +544,7 @@ def load_settings(path: str | Path | None = None, overrides: list[str] | tuple[s
 def resolved_settings(tree: dict[str, dict[str, Any]], overrides: list[str] | tuple[str, ...] = ()) -> Settings:
     """Settings from a resolved tree (`Settings.to_dict()`, as a checkpoint keeps it): its values
     are final, so mode presets do not apply over them again; `overrides` still win."""
-    given = [f"{section}.{key}={_toml_value(value)}" for section, values in tree.items()
+    given = [f"{section}.{key}={toml_value(value)}" for section, values in tree.items()
              for key, value in values.items()]
     return build_settings({}, [*given, *overrides])
 
@@ -600,7 +600,7 @@ def describe() -> str:
         lines.append(f"[{name}]")
         for f in fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  {f.name} = {_toml_value(default)}    # {f.metadata['doc']}")
+            lines.append(f"  {f.name} = {toml_value(default)}    # {f.metadata['doc']}")
     return "\n".join(lines)
 
 
@@ -670,26 +670,26 @@ def _coerce(key: str, value: Any, kind: Any, meta: Any) -> Any:
     return value
 
 
+def bounds(meta: Any) -> list[str]:
+    """A numeric field's bounds as text (["> 0", "<= 1"]); [] when it has none."""
+    return [f"{op} {meta[key]}" for key, op in (("gt", ">"), ("ge", ">="), ("le", "<=")) if meta.get(key) is not None]
+
+
 def _range(meta: Any) -> str:
-    parts = []
-    if meta["gt"] is not None:
-        parts.append(f"> {meta['gt']}")
-    if meta["ge"] is not None:
-        parts.append(f">= {meta['ge']}")
-    if meta["le"] is not None:
-        parts.append(f"<= {meta['le']}")
+    parts = bounds(meta)
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """A value as TOML writes it (the resolved settings file, `--set` echoes, the docs' reference)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     return repr(value)
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import html
 from typing import Any, get_type_hints
 
-from areal_aio.settings import SECTIONS
+from areal_aio.settings import SECTIONS, bounds, toml_value
 
 PAGE = "configuration.md"
 MARKER = "<!-- settings-reference -->"
@@ -40,7 +40,7 @@ def reference() -> str:
         hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            out.append(f"| `{name}.{f.name}` | {_type(hints[f.name])} | `{_toml(default)}` "
+            out.append(f"| `{name}.{f.name}` | {_type(hints[f.name])} | `{toml_value(default)}` "
                        f"| {_allowed(f.metadata, hints[f.name])} | {_cell(f.metadata['doc'])} |")
         out.append("")
     return "\n".join(out)
@@ -55,10 +55,8 @@ def _allowed(meta: Any, kind: Any) -> str:
         return "`true`, `false`"
     if meta.get("choices"):
         return ", ".join(f"`{c}`" for c in meta["choices"])
-    bounds = [f"{op} {meta[key]}" for key, op in (("gt", ">"), ("ge", ">="), ("le", "<="))
-              if meta.get(key) is not None]
-    if bounds:
-        return _cell(", ".join(bounds))
+    if limits := bounds(meta):
+        return _cell(", ".join(limits))
     parse = meta.get("parse")
     if parse is not None and ": " in (first := " ".join((parse.__doc__ or "").split()).split(". ")[0]):
         return _cell(first.split(": ", 1)[1].rstrip("."))  # "key: what it takes. How it is checked."
@@ -70,16 +68,6 @@ def _allowed(meta: Any, kind: Any) -> str:
 def _cell(text: str) -> str:
     """Text safe inside a table cell: no raw HTML (`<answer>` stays visible), no column breaks."""
     return html.escape(text, quote=False).replace("|", "\\|").replace("\n", " ")
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return repr(value)
 
 
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
