@@ -714,7 +714,7 @@ def _run(source: str, stdin: bytes, wall_s: float, limits: Limits, lay: Layers, 
            "cover": cover, "packages": packages, "packages_at": PACKAGES_AT, "tmpfs_mb": TMPFS_MB,
            "pivot": PIVOT_ROOT.get(platform.machine()), "deadline_s": wall_s + GRACE_S,
            "seccomp": seccomp_filter() if lay.seccomp else None, "preload": [m for m in preload if m in PRELOADABLE],
-           "limits": {"as": limits.memory_mb << 20, "nproc": min(limits.procs, lay.procs or limits.procs),
+           "limits": {"as": limits.memory_mb << 20, "nproc": effective_procs(limits),
                       "fsize": limits.file_mb << 20, "cpu": cpu, "nofile": limits.open_files}, "env": ENV}
     flags = [f"--{n}" for n in lay.namespaces if n != "user"]
     if "user" in lay.namespaces:
