@@ -13,10 +13,11 @@ tagged.
 A reward function is any callable `(task, completion_text, **columns)` returning a
 float, a `Score`, or an awaitable of either; `columns` are the task row's extra columns
 its signature names (all of them with **kwargs). Floats become `Score(reward, passed=reward > 0)`.
-The contract (`Scorer`): every reward is finite or it is a counted failure (reward 0):
-one that raises, returns anything else (NaN, inf, a string), or takes longer than
-`controller.reward_timeout_s`. Several rewards (a list of `Reward`, task.reward as a list)
-are each scored under that contract, at once; the reward is their weighted sum.
+The contract (`Scorer`): every reward is a finite number within +-REWARD_LIMIT or it is a
+counted failure (reward 0): one that raises, returns anything else (NaN, inf, 1e308, a string),
+or takes longer than `controller.reward_timeout_s`. Several rewards (a list of `Reward`,
+task.reward as a list) are each scored under that contract, at once; the reward is their
+weighted sum, held to the same range. An episode's own reward goes through `as_score` too.
 
 `load_rewards` turns task.reward into rewards: "answer" is the built-in AnswerReward,
 "package.module:function" is imported (from the environment or the current folder) and its
@@ -49,6 +50,13 @@ from areal_aio.tasks.task import Task
 
 KEY = "task.reward"
 P = inspect.Parameter
+
+REWARD_LIMIT = 1e6
+"""The largest |reward| a run trains on. Verifiable rewards are a few units; one past a million
+is a bug in the reward (an overflow, a sentinel such as sys.float_info.max), not a signal.
+Finite is not enough: advantages that are not divided by a std (trainer.advantage = drgrpo)
+carry the reward into float32 losses, and 1e308 there overflows to inf and NaN, which would
+poison every weight. Outside the range a reward is a counted failure, exactly as NaN is."""
 
 TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
@@ -136,8 +144,9 @@ class AnswerReward:
     format_bonus: float = 0.2
 
     def __post_init__(self) -> None:
-        if not _finite(self.format_bonus):  # its Scores skip as_score's check when scored inline
-            raise ValueError(f"AnswerReward's format_bonus must be a finite number, got {self.format_bonus!r}")
+        if not _sane(self.format_bonus):  # its Scores skip as_score's check when scored inline
+            raise ValueError(f"AnswerReward's format_bonus must be a finite number within "
+                             f"+-{REWARD_LIMIT:g}, got {self.format_bonus!r}")
 
     def __call__(self, task: Task, completion: str) -> Score:
         answer, tagged = final_answer(completion)
@@ -147,18 +156,23 @@ class AnswerReward:
 
 
 def as_score(value: Any) -> Score:
-    """Normalize what a user's reward function returned; TypeError unless its reward is finite."""
+    """Normalize what a user's reward function (or episode) returned; TypeError unless its
+    reward is a finite number within +-REWARD_LIMIT."""
     if isinstance(value, Score):
-        if not _finite(value.reward):
-            raise TypeError(f"a Score's reward must be a finite number, got {value.reward!r}")
+        if not _sane(value.reward):
+            raise TypeError(f"a Score's reward must be a finite number within +-{REWARD_LIMIT:g}, "
+                            f"got {value.reward!r}")
         return value if type(value.reward) is float else dataclasses.replace(value, reward=float(value.reward))
-    if not _finite(value):
-        raise TypeError(f"a reward function must return a finite float or a Score, got {value!r}")
+    if not _sane(value):
+        raise TypeError(f"a reward function must return a finite float within +-{REWARD_LIMIT:g} "
+                        f"or a Score, got {value!r}")
     return Score(reward=float(value), passed=value > 0)
 
 
-def _finite(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+def _sane(value: Any) -> bool:
+    """A real number (not a bool), finite and within +-REWARD_LIMIT."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            and abs(value) <= REWARD_LIMIT)
 
 
 FAILED = Score(reward=0.0, passed=False, strict=False, failed=True)
@@ -268,6 +282,12 @@ class Scorer:
             return self._failed()
 
     def _combine(self, parts: list[Score]) -> Score:
+        """The weighted result (`_weighted`), a counted failure when the weights take it out of
+        +-REWARD_LIMIT (each part was within it)."""
+        score = self._weighted(parts)
+        return score if score.failed or _sane(score.reward) else self._failed()
+
+    def _weighted(self, parts: list[Score]) -> Score:
         """One reward: its Score (weighted); several: the weighted sum, pass and strict the first's."""
         if not self.combined:
             weight = self.rewards[0].weight

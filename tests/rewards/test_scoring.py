@@ -7,7 +7,9 @@ import time
 
 import pytest
 
+from areal_aio.control import episodes
 from areal_aio.rewards.scoring import (
+    REWARD_LIMIT,
     AnswerReward,
     Reward,
     Score,
@@ -351,3 +353,41 @@ def test_overlong_penalty_is_daps_soft_punishment_by_hand():
     assert shaped(Score(0.0, False, failed=True), -0.5).reward == 0.0  # a failure stays a counted 0
     with pytest.raises(SettingsError, match="task.overlong_buffer"):
         build_settings({}, ["task.overlong_buffer=65", "rollout.max_new_tokens=64"])
+
+
+def huge(task, text):
+    return 1e308
+
+
+async def test_a_reward_outside_the_sane_range_is_a_counted_failure_like_nan():
+    async def huge_score(task, text):
+        return Score(1e308, True)
+
+    for fn, procs in ((huge, 0), (huge, 1), (huge_score, 0), (lambda t, c: -2 * REWARD_LIMIT, 0)):
+        scorer = Scorer(fn, timeout_s=30, procs=procs)
+        score = await scorer.score(T, "7")
+        await scorer.aclose()
+        assert score.failed and score.reward == 0.0 and scorer.failures == 1, fn
+    for bad in (1e308, -1e308, REWARD_LIMIT * 1.5, Score(1e308, True)):
+        with pytest.raises(TypeError, match="within"):
+            as_score(bad)
+    assert as_score(REWARD_LIMIT).reward == REWARD_LIMIT and as_score(-REWARD_LIMIT).reward == -REWARD_LIMIT
+    with pytest.raises(ValueError, match="within"):
+        AnswerReward(1e307)
+
+
+async def test_weights_that_take_a_sum_out_of_the_sane_range_make_a_counted_failure():
+    scorer = Scorer([Reward("a", lambda t, c: REWARD_LIMIT, weight=1e300), Reward("b", lambda t, c: 1.0)],
+                    timeout_s=30, procs=0)
+    score = await scorer.score(T, "7")
+    assert score.failed and score.reward == 0.0 and scorer.failures == 1
+    one = Scorer(Reward("a", lambda t, c: REWARD_LIMIT, weight=10.0), timeout_s=30, procs=0)
+    assert (await one.score(T, "7")).failed and one.failures == 1
+
+
+async def test_an_episode_returning_a_huge_reward_scores_zero_as_a_failure():
+    async def episode(task, model):
+        return 1e308
+
+    score, failure = await episodes.play(episode, T, None, timeout_s=5)
+    assert score.failed and score.reward == 0.0 and isinstance(failure, TypeError)
