@@ -16,6 +16,11 @@
     <run>/adapter/                      with LoRA, beside model/ (`adapter_folder`): PEFT's
         adapter_config.json, adapter_model.safetensors, areal_aio_base.json, tokenizer files
 
+Weights that are not finite are never written (`check_finite`): the trainer skips a step whose
+loss or gradient is not finite, so its weights stay finite; should a NaN get in all the same, the
+Save fails with one line naming the tensor, and model/, best/ and the checkpoints written before
+stay as they were, instead of being replaced by a policy that is NaN everywhere.
+
 Everything is fsynced before the reply, so the controller's rename of the checkpoint folder
 publishes files that are on disk. The live model is exported in place (save_pretrained reads
 the parameters; no second copy of the model is made); an older version is exported from its
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from areal_aio import wire
 from areal_aio.store.checkpoint import replace_folder
@@ -169,9 +175,26 @@ def export_lora(trainer: Any, folder: Path, weights: str | Path = "") -> int:
     return size
 
 
+def check_finite(trainer: Any, kind: str, weights: str | Path = "") -> None:
+    """ValueError naming the first tensor that is not finite (NaN, inf) of what a Save of `kind`
+    would write: the live model's parameters, or the weight-store file `weights` (read a tensor
+    at a time); nothing is written then. One host read for the live model."""
+    if weights:
+        with safe_open(str(weights), framework="pt") as f:
+            bad = next((name for name in f.keys() if not torch.isfinite(f.get_tensor(name)).all()), None)
+    else:
+        named = list(trainer.model.named_parameters())
+        finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named]).tolist()
+        bad = next((name for (name, _), ok in zip(named, finite, strict=True) if not ok), None)
+    if bad is not None:
+        raise ValueError(f"trainer: refusing to write the {kind} of version {trainer.version}: weight "
+                         f"{bad!r} is not finite (NaN or inf); what was written before stays")
+
+
 def save(trainer: Any, msg: wire.Save) -> wire.Saved:
-    """Answer one Save: write, fsync, report the size."""
+    """Answer one Save: check the weights are finite, write, fsync, report the size."""
     t0 = time.perf_counter()
+    check_finite(trainer, msg.kind, msg.weights)
     folder = Path(msg.path)
     extra = 0
     if msg.kind == "checkpoint":

@@ -9,7 +9,8 @@
       |      yet), the others take a no-grad pass before any step
       |      (and ref logp from a frozen copy of v0 when kl_ref = "ref")
       |  per mini-batch: forward micro-batches, token losses, sum / tokens,
-      |      backward (grads accumulate), clip grad norm, AdamW step
+      |      backward (grads accumulate), clip grad norm, AdamW step; a loss or
+      |      norm that is not finite: no step, the grads dropped (`skipped`)
       v  publish v<version+1> in the rollout dtype, version += 1
     Trained(step, version + 1, path, stats)
 
@@ -55,7 +56,10 @@ pass of mini-batches after the first: 0 with one), publish_s, reduce_s (the grad
 all-reduces of a data-parallel trainer, waiting for the slowest rank included: 0 with one rank;
 on a GPU the reduction is queued, so this is mostly the wait for the other ranks),
 mismatch_kl (k3 KL(behav || prox) over tokens sampled by exactly this version;
-None when there are none), reward_mean, adv_abs_mean. A supervised update
+None when there are none), reward_mean, adv_abs_mean, skipped (mini-batches whose step was
+not taken: their loss or gradient norm was not finite, and AdamW with a NaN gradient would
+make every weight NaN; the update still publishes v<version+1>, the weights it holds, so the
+clock goes on and the controller counts the step as skipped). A supervised update
 (Train.objective "sft", what `python -m areal_aio sft` sends) reports SFT_STATS only.
 """
 
@@ -73,9 +77,9 @@ import torch
 from areal_aio import wire
 from areal_aio.settings import DECOUPLED, SFT, Settings, TrainerSettings
 from areal_aio.store.weights import WeightStore
-from areal_aio.workers import lora
+from areal_aio.workers import frozen_base, lora
 from areal_aio.workers.common import EOF, Channel, configure_torch, serve
-from areal_aio.workers.models import load_model
+from areal_aio.workers.models import checkpoint_layers, load_model
 from areal_aio.workers.trainer import checkpoint, losses
 from areal_aio.workers.trainer.data_parallel import Ranks
 from areal_aio.workers.trainer.microbatch import (
@@ -93,7 +97,7 @@ model's logits are exactly lm_head(last hidden) (no scaling we do not know about
 
 
 SFT_STATS = ("loss", "entropy", "grad_norm", "tokens", "computed_tokens", "seqs", "seconds", "publish_s",
-             "reduce_s")
+             "reduce_s", "skipped")
 """The stats of a supervised update (loss: the token-mean negative log-likelihood)."""
 
 
@@ -105,6 +109,7 @@ class _Stats:
 
     def __init__(self, device: str) -> None:
         self.tokens = 0  # from shapes, on the host
+        self.skipped = 0  # mini-batches whose step was not taken (read on the host: see _descend)
         self.loss: list[torch.Tensor] = []  # per mini-batch
         self.grad_norm: list[torch.Tensor] = []
         zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -170,10 +175,13 @@ class Trainer:
         self.temperature = settings.rollout.temperature
         self.max_new_tokens = settings.rollout.max_new_tokens  # trainer.loss_agg = constant's normaliser
         self.publish_dtype = getattr(torch, settings.rollout.dtype)
+        # lora.base_dtype other than float32: the frozen base never exists in fp32 here: loaded in
+        # bf16, then stored narrow (workers/frozen_base.py), its small tensors and the adapter fp32
+        base_dtype = settings.lora.base_dtype if settings.lora.rank else "float32"
         if model is None:
-            model, tokenizer = load_model(settings.model.path, seed=settings.run.seed,
-                                          dtype="float32", device=self.device)
-        self.model = model.float().to(self.device)
+            model, tokenizer = load_model(settings.model.path, seed=settings.run.seed, device=self.device,
+                                          dtype="float32" if base_dtype == "float32" else "bfloat16")
+        self.model = (model.float() if base_dtype == "float32" else model).to(self.device)
         self.tokenizer = tokenizer  # written next to the exported model (workers.checkpoint)
         self.model.eval()  # see module docstring: no dropout in an RL update
         self.model.config.use_cache = False
@@ -186,6 +194,7 @@ class Trainer:
         self._base_identity: dict[str, str] | None = None
         if self.lora is not None:
             self.params = lora.attach(self.model, self.lora, self.spec)
+            frozen_base.store(self.model, base_dtype)
         else:
             self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.ranks = ranks or Ranks()
@@ -197,6 +206,8 @@ class Trainer:
         self.ref = None
         if self.use_ref and self.lora is None:
             self.ref = copy.deepcopy(self.model).requires_grad_(False)  # frozen v0
+        if self.cfg.activation_checkpointing:  # after the ref copy: a no-grad model needs none
+            checkpoint_layers(self.model)
         # lora.dropout: on in the gradient passes only, so pi_prox needs a no-grad pass of its own
         self.dropout = self.lora is not None and self.lora.dropout > 0
         if not Path(shm_dir).is_dir():
@@ -436,7 +447,9 @@ class Trainer:
         `temperature`, `token_loss(k, mb, logp) -> (loss [T], TokenStats, kl [T] | None)`,
         minus entropy_coef x each token's entropy (trainer.entropy_coef: a bonus for keeping
         the policy spread), backward, the ranks' all-reduce, clip, AdamW. Returns the stats
-        and the all-reduce time."""
+        and the all-reduce time.
+
+        A mini-batch whose loss or gradient norm is not finite takes no step (`_apply`)."""
         cfg = self.cfg
         stats = _Stats(self.device)
         reduce_s = 0.0
@@ -462,16 +475,36 @@ class Trainer:
                 loss_sum = loss_sum + loss.detach().double()
                 stats.add(st, entropy, kl)
                 del logp, entropy, tok_loss, loss
+            self._poison(loss_sum)
             t_reduce = time.perf_counter()
             self.ranks.all_reduce_grads(self.params)  # summed, not averaged: see data_parallel
             reduce_s += time.perf_counter() - t_reduce
             max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
             norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-            self.opt.step()
+            stats.skipped += not self._apply(norm)
             stats.loss.append(loss_sum)
             stats.grad_norm.append(norm.detach().double())
         self.opt.zero_grad(set_to_none=True)
         return stats, reduce_s
+
+    def _poison(self, loss_sum: torch.Tensor) -> None:
+        """A loss that is not finite makes one element of the gradient NaN before the ranks sum
+        it, so the gradient norm every rank computes from the sum says it: the ranks skip the
+        same steps and their weights stay the same. (loss * 0 is 0 for a finite loss.)"""
+        grad = next((p.grad for p in self.params if p.grad is not None), None)
+        if grad is not None:
+            grad[(0,) * grad.dim()] += (loss_sum * 0).to(grad.dtype)
+
+    def _apply(self, norm: torch.Tensor) -> bool:
+        """AdamW's step when the gradient norm (of the summed gradients, after `_poison`) is
+        finite; else no step: the gradients are dropped and AdamW's moments and step count stay
+        as they were (one host read per mini-batch: whether to step cannot wait for the stats).
+        Returns whether the step was taken."""
+        if bool(torch.isfinite(norm)):
+            self.opt.step()
+            return True
+        self.opt.zero_grad(set_to_none=True)
+        return False
 
     def _summary(self, samples: list[wire.TrainSample], mine: list[list[MicroBatch]],
                  prox: dict[int, torch.Tensor], stats: _Stats, adv: torch.Tensor,
@@ -524,6 +557,7 @@ class Trainer:
             "mismatch_kl": got["mismatch"] / got["r_n"] if got["r_n"] else None,
             "reward_mean": float(rewards.mean()),
             "adv_abs_mean": float(adv.abs().mean()),
+            "skipped": stats.skipped,
         }
 
     # ---- keeping the run (workers/trainer/checkpoint.py) -----------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -53,3 +54,18 @@ def test_exports_load_with_transformers_alone(tmp_path):
         assert torch.equal(p, q), name  # the live weights, exactly
         assert torch.allclose(p - 0.01, r, atol=1e-6), name  # the older version's file
     assert checkpoint.fsync_tree(tmp_path / "live") > 0
+
+
+def test_weights_that_are_not_finite_are_never_written(tmp_path):
+    t = trainer(tmp_path, "a")
+    t.save(wire.Save("model", str(tmp_path / "model")))
+    kept = (tmp_path / "model" / "model.safetensors").read_bytes()
+    with torch.no_grad():
+        next(t.model.parameters())[0].fill_(float("nan"))
+    bad = WeightStore(tmp_path / "a").publish(t.model, 1)
+    for kind, path, weights in (("model", "model", ""), ("checkpoint", "ckpt", ""),
+                                ("model", "best", str(bad))):
+        with pytest.raises(ValueError, match="is not finite"):
+            t.save(wire.Save(kind, str(tmp_path / path), weights))
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() == kept
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "best").exists()

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from areal_aio import wire
 from areal_aio.store.safetensors_io import load_weights
@@ -566,3 +567,22 @@ def test_the_entropy_bonus_raises_the_policys_entropy(tmp_path, batch) -> None:
     # tiny-random is close to uniform (entropy near log V = 10.8): the rise is small, and it is
     # a hundred times what the same steps without the bonus move it (nothing)
     assert seen[0.5][0] == pytest.approx(seen[0.0][0], rel=1e-6) and seen[0.5][-1] - seen[0.5][0] > 1e-3
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_a_step_whose_loss_is_not_finite_is_skipped_and_leaves_the_weights(tmp_path, batch, minibatches) -> None:
+    """A NaN reward (as 1e308 rewards overflowing the advantages made) gives a NaN loss and
+    gradient: no AdamW step, the weights and the optimizer's state as they were, the step
+    reported skipped; the version still advances with the weights it holds, all finite."""
+    trainer = make_trainer(tmp_path, f"trainer.minibatches={minibatches}")
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    poisoned = [dataclasses.replace(s, reward=float("nan")) for s in batch]
+    reply = trainer.train(wire.Train(step=1, version=0, samples=poisoned))
+    assert reply.version == 1
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    assert reply.stats["skipped"] == minibatches
+    assert not trainer.opt.state and all(p.grad is None for p in trainer.params)
+    assert all(torch.isfinite(t).all() for t in load_file(reply.path).values())
+    good = trainer.train(wire.Train(step=2, version=1, samples=batch))
+    assert good.stats["skipped"] == 0 and trainer.opt.state
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
