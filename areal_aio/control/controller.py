@@ -37,6 +37,10 @@ The rollout role is one RolloutPool however many workers it has (placement.py; o
 a pool of one): each group whole to its least-loaded worker, every version to all of them,
 their replies merged. Admission and staleness are global: one clock, one rule.
 
+A step the trainer skipped (its loss or gradient norm not finite: no update, the version
+advances on the same weights) is counted; stats.SKIPPED_IN_A_ROW_MAX of them in a row end the
+run as failed (stats.TrainingDiverged), keeping the last finite weights as model/.
+
 Shutdown. Only train_loop ends the run: it stops generating (groups.close: episodes
 cancelled, training requests and continuations aborted), awaits the final eval and returns;
 the other tasks are cancelled. Then, on every path (normal end, threshold, max_wall_s,
@@ -454,6 +458,8 @@ class Orchestrator:
         # committed by the link (self._commit) before it returns; a stop keeps it in flight
         trained = await self.link.train(wire.Train(step, self.version, train_samples),
                                         (step, samples, stale, wait_s, time.perf_counter()))
+        if diverged := self.counts.diverged(self.step):
+            raise diverged  # the run fails; the trainer's weights are the last finite ones
         await self.rollout.send(wire.UpdateWeights(self.version, trained.path))
         if self.settings.controller.on_interrupt == "restart" and self.groups.requests:
             await self.rollout.send_many([wire.Abort(rid) for rid in self.groups.requests])
@@ -472,6 +478,7 @@ class Orchestrator:
         self._commit_wall[self.version] = wall
         self.keeper.retain()
         self.counts.trained(sum(s.trained_tokens for s in samples), stale)
+        self.counts.stepped(trained)
         self._max_trained_staleness = max(self._max_trained_staleness, *stale)
         self.log.rows("samples", (stats.sample_row(s, staleness=st, step=self.step)
                                   for s, st in zip(samples, stale, strict=True)))

@@ -12,6 +12,7 @@ changes it and every row one place that builds it:
                                                            skipped_uniform
     (episode_failures: an episode that raised or passed a bound, scored 0)
     Counts.trained     a batch committed                  accepted, trained_tokens, staleness_hist
+    Counts.stepped     a step committed                   steps_skipped, skipped_in_a_row
     (admitted, restarts, eval_tokens, lost_in_flight: one line each where they happen)
     WorkerShare        one rollout worker's part: its requests and training tokens
 """
@@ -32,6 +33,15 @@ from areal_aio.rewards.pool import RewardPoolBroken
 from areal_aio.rewards.scoring import Score, component_means
 from areal_aio.settings import Settings
 
+SKIPPED_IN_A_ROW_MAX = 3
+"""Steps in a row that took no update (the trainer skips one whose loss or gradient norm is not
+finite) that stop the run: one is a bad batch, several in a row a run that cannot go on (its
+rewards, its learning rate, its model), and going on would spend the rest of it on no update."""
+
+
+class TrainingDiverged(RuntimeError):
+    """SKIPPED_IN_A_ROW_MAX steps in a row took no update; the run stops as failed."""
+
 
 @dataclass(slots=True)
 class Counts:
@@ -51,6 +61,8 @@ class Counts:
     episode_failures: int = 0  # episodes that raised, timed out or passed a bound (reward 0)
     dropped_episode: int = 0  # samples of groups dropped because an episode ended without a reply
     skipped_uniform: int = 0  # samples of groups not trained for equal rewards (controller.dynamic_sampling)
+    steps_skipped: int = 0  # committed steps whose update the trainer skipped (not finite)
+    skipped_in_a_row: int = 0  # the last steps_skipped, back to 0 at a step that updated
     staleness_hist: Counter = field(default_factory=Counter)
 
     def completed(self, msg: wire.Completion) -> None:
@@ -84,6 +96,21 @@ class Counts:
         self.accepted += len(stale)
         self.trained_tokens += tokens
         self.staleness_hist.update(stale)
+
+    def stepped(self, trained: wire.Trained) -> None:
+        """A committed step; skipped when the trainer took no optimizer step in some mini-batch
+        of it (its stats' `skipped`: a loss or gradient norm that was not finite)."""
+        skipped = bool(trained.stats.get("skipped"))
+        self.steps_skipped += skipped
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+
+    def diverged(self, step: int) -> TrainingDiverged | None:
+        """Why the run must stop after `step`, when SKIPPED_IN_A_ROW_MAX steps in a row skipped."""
+        n = self.skipped_in_a_row
+        if n < SKIPPED_IN_A_ROW_MAX:
+            return None
+        return TrainingDiverged(f"steps {step - n + 1}-{step} took no update: their loss or gradient norm "
+                                f"was not finite (steps.jsonl: skipped); model/ keeps the last finite weights")
 
     def state(self) -> tuple[dict[str, Any], dict[str, int]]:
         """(counts, staleness_hist) as a checkpoint stores them."""
@@ -166,6 +193,7 @@ def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, 
         "samples_unused": unused, "interrupts": c.interrupts, "restarts": c.restarts,
         "reward_failures": c.reward_failures, "episode_failures": c.episode_failures,
         "samples_dropped_episode": c.dropped_episode, "samples_skipped_uniform": c.skipped_uniform,
+        "steps_skipped": c.steps_skipped,
         "dynamic_sampling": s.controller.dynamic_sampling, "max_staleness_trained": max_trained_staleness,
         "lost_in_flight": c.lost_in_flight, "resumes": resumes,
         "best_eval": best if best["version"] is not None else None,
@@ -216,10 +244,14 @@ def finished_by_itself(summary: dict[str, Any]) -> bool:
     return summary.get("ended", "completed") in ENDINGS and summary.get("ended") != "interrupted"
 
 
-def worker_failure(error: BaseException | None) -> WorkerFailed | RewardPoolBroken | None:
-    """The WorkerFailed (or RewardPoolBroken) inside a TaskGroup's ExceptionGroup, if that is
-    what ended the run."""
-    if isinstance(error, (WorkerFailed, RewardPoolBroken)):
+Failure = WorkerFailed | RewardPoolBroken | TrainingDiverged
+"""What ends a run from inside its TaskGroup and is raised as itself, not as an exception group."""
+
+
+def worker_failure(error: BaseException | None) -> Failure | None:
+    """The WorkerFailed, RewardPoolBroken or TrainingDiverged inside a TaskGroup's
+    ExceptionGroup, if that is what ended the run."""
+    if isinstance(error, Failure):
         return error
     if isinstance(error, BaseExceptionGroup):
         for exc in error.exceptions:

@@ -7,7 +7,9 @@ real one (interrupt: switch versions at once; otherwise hold new requests, let
 the ones in flight finish on the old weights, load, then start the held ones). Its answer to a prompt comes from `policy(prompt, version)`; a continuation
 (a Generate with a reply prefix) and an episode's later reply (with context ids) are answered
 by `continuation(msg, version)`.
-The fake trainer answers Train after `step_delay_s` with the next version, and
+The fake trainer answers Train after `step_delay_s` with the next version (a step in
+`skip_steps` answered as the real trainer answers one whose loss was not finite: skipped, NaN
+loss and gradient norm), and
 Save by writing small stand-in files (a checkpoint part it can resume from: its
 version; a "model" folder with a config.json). Both record what happened (`log`; the trainer
 also every Train in `batches` and every Save in `saves`) so tests can check ordering and
@@ -27,7 +29,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -279,8 +281,10 @@ class FakeRollout(_FakeWorker):
 class FakeTrainer(_FakeWorker):
     role = "trainer"
 
-    def __init__(self, *, step_delay_s: float = 0.0, fail_at_step: int | None = None, record: bool = True) -> None:
+    def __init__(self, *, step_delay_s: float = 0.0, fail_at_step: int | None = None, record: bool = True,
+                 skip_steps: Collection[int] = ()) -> None:
         self.step_delay_s = step_delay_s
+        self.skip_steps = skip_steps
         self.record = record
         self.fail_at_step = fail_at_step
         self.version = 0
@@ -337,7 +341,13 @@ class FakeTrainer(_FakeWorker):
         self._note("end", msg.step)
         await self._out.put(wire.Trained(step=msg.step, version=self.version,
                                          path=os.path.join(self._shm_dir, f"v{self.version}.safetensors"),
-                                         stats={"loss": 0.0, "tokens": tokens, "seconds": self.step_delay_s}))
+                                         stats=self._stats(msg.step, tokens)))
+
+    def _stats(self, step: int, tokens: int) -> dict[str, Any]:
+        skipped = step in self.skip_steps
+        nan = float("nan")
+        return {"loss": nan if skipped else 0.0, "grad_norm": nan if skipped else 0.0, "tokens": tokens,
+                "seconds": self.step_delay_s, "skipped": int(skipped)}
 
     async def _after_train(self) -> None:
         if self._task is not None and not self._task.done():
