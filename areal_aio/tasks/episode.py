@@ -28,19 +28,25 @@ as the tail of the Completion's prompt_ids. So the sequence a sample trains on i
 
 The episode's record, each samples.jsonl row's `turns`: {role, text, tokens, trained} per reply
 and per added turn (turns sent together are rendered together: the first one's row holds their
-ids); turns added after the last reply are in this record only. Bounds (task.*):
+ids; "cut": true on a turn cut to the bound); a turn's text there is an excerpt past
+RECORD_TEXT_CHARS; turns added after the last reply are in this record only. Bounds (task.*):
 `episode_turns` replies, `episode_tokens` tokens after the prompt (replies and turns: a later
 reply's Generate carries max_context = prompt + episode_tokens, and the worker, which knows the
 new turns' length, gives the reply at most what is left; each reply also at most
 rollout.max_new_tokens; turns that leave no room end the episode), `episode_timeout_s` wall
 seconds. An episode that passes one, raises, or returns something
 that is not a reward scores 0 and is counted (episode_failures), as a failing reward is.
+
+What turns add is held to the token bound twice: their text is cut to TURN_BYTES_PER_TOKEN bytes
+per token left before it is sent (the pipe and the tokenizer never get a 2 MB tool output), and
+their ids are cut to the tokens left before they join the sequence (`Transcript.add_reply`), so
+completion_ids never hold more than episode_tokens ids, whatever a turn's text was.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from areal_aio import wire
@@ -48,6 +54,15 @@ from areal_aio.settings import Settings
 from areal_aio.tasks.task import Task
 
 Episode = Callable[[Task, "Model"], Awaitable[Any]]
+
+TURN_BYTES_PER_TOKEN = 128
+"""A turn's text is cut to this many UTF-8 bytes per token the episode has left before it is
+sent: no token of a byte-level vocabulary covers more (SmolLM2's longest, a newline and 80
+spaces, covers 81), so a turn that could fit is never cut, and the worker is never handed
+megabytes to render and tokenize only for them to be cut."""
+RECORD_TEXT_CHARS = 2000
+"""The most of a turn's text its record keeps (samples.jsonl rows, eval rows): its head and its
+tail, the middle left out. Every sample of a group writes its own turns at every step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,15 +127,23 @@ class Transcript:
     def context_ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
 
-    def add_reply(self, msg: wire.Completion, sent: list[int] | None, added: list[dict[str, Any]]) -> None:
+    def add_reply(self, msg: wire.Completion, sent: list[int] | None, added: list[dict[str, Any]],
+                  room: int) -> None:
         """A reply's Completion: `sent` the context_ids its Generate carried (None: the first),
-        `added` the turn rows it appended. The ids between are the turns' own."""
+        `added` the turn rows it appended, `room` the tokens the bound left before them. The ids
+        between are the turns' own; past `room` they are cut to it, and the reply, which had no
+        room after them, is kept empty."""
         if sent is None:
             self.prompt_ids = list(msg.prompt_ids)
         else:
             if msg.prompt_ids[:len(sent)] != sent:
                 raise RuntimeError(f"{msg.request_id}: the worker did not continue from the episode's ids")
             turn_ids = msg.prompt_ids[len(sent):]
+            if len(turn_ids) > room:
+                turn_ids = turn_ids[:room]
+                msg = replace(msg, completion_ids=[], logprobs=[], versions=[], text="")
+                if added:
+                    added[0]["cut"] = True
             self.completion_ids += turn_ids
             self.logprobs += [0.0] * len(turn_ids)
             self.versions += [self.versions[-1]] * len(turn_ids)
@@ -153,7 +176,7 @@ class Model:
     def __init__(self, bounds: Bounds, request: Request) -> None:
         self._bounds = bounds
         self._request = request
-        self._pending: list[dict[str, Any]] = []  # turn rows added since the last reply
+        self._pending: list[tuple[dict[str, Any], str]] = []  # (record row, text) of turns added since the last reply
         self.transcript = Transcript()
         self.replies = 0
 
@@ -174,8 +197,8 @@ class Model:
             raise ValueError("add_turn before the first reply: the task's prompt is the first turn")
         if not isinstance(role, str) or not role or not isinstance(text, str):
             raise TypeError(f"add_turn(role, text) takes two strings, got {role!r}, {text!r}")
-        row = {"role": role, "text": text, "tokens": 0, "trained": False}
-        self._pending.append(row)
+        row = {"role": role, "text": excerpt(text), "tokens": 0, "trained": False}
+        self._pending.append((row, text))
         self.transcript.turns.append(row)
 
     async def reply(self, max_new_tokens: int | None = None, stop: list[str] | None = None) -> str:
@@ -196,10 +219,34 @@ class Model:
         sent = None if first else self.transcript.context_ids
         room = 0 if first else len(self.transcript.prompt_ids) + b.tokens
         added, self._pending = self._pending, []
-        turns = [{"role": t["role"], "content": t["text"]} for t in added] or None
+        turns = self._turns_to_send(added)
+        left = self.tokens_left
         msg = await self._request(ReplyRequest(sent, turns, limit, room, list(stop) if stop else None))
         self.replies += 1
-        self.transcript.add_reply(msg, sent, added)
-        if not msg.completion_ids:
+        self.transcript.add_reply(msg, sent, [row for row, _ in added], left)
+        reply = self.transcript.last
+        if not reply.completion_ids:
             raise EpisodeLimit(f"the turns left no room for a reply in task.episode_tokens = {b.tokens}")
-        return msg.text
+        return reply.text
+
+    def _turns_to_send(self, added: list[tuple[dict[str, Any], str]]) -> list[dict[str, str]] | None:
+        """The turns added since the last reply as the Generate appends them, their texts cut
+        to TURN_BYTES_PER_TOKEN bytes per token left, all of them together (a cut turn's row
+        says "cut")."""
+        budget = self.tokens_left * TURN_BYTES_PER_TOKEN
+        turns = []
+        for row, text in added:
+            data = text.encode()
+            if len(data) > budget:
+                text, row["cut"] = data[:budget].decode(errors="ignore"), True
+            budget -= min(len(data), budget)
+            turns.append({"role": row["role"], "content": text})
+        return turns or None
+
+
+def excerpt(text: str, most: int = RECORD_TEXT_CHARS) -> str:
+    """`text`, or past `most` characters its head and tail with how much was left out between."""
+    if len(text) <= most:
+        return text
+    half = most // 2
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters left out ...]\n{text[-half:]}"
