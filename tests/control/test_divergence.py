@@ -70,3 +70,29 @@ async def test_skipped_steps_apart_do_not_stop_the_run(tmp_path):
                                  trainer=FakeTrainer(skip_steps=skipped)).run()
     assert summary["ended"] == "completed" and summary["steps"] == 6 and summary["steps_skipped"] == 3
     assert [r["step"] for r in steps(tmp_path / "run") if r["skipped"]] == [2, 4, 6]
+
+
+def half_huge(task, text) -> float:
+    """1e308 for every other reply (by length), 0 for the rest: a group with both."""
+    return 1e308 if len(text) % 2 else 0.0
+
+
+@pytest.mark.slow
+async def test_a_huge_reward_leaves_the_real_trainer_finite(tmp_path):
+    """Issue 36's run: drgrpo (advantages not divided by a std), a reward of 1e308 for some
+    replies. It is counted as a failure, each step trains, and model/ is finite."""
+    from safetensors.torch import load_file
+
+    from areal_aio.control.controller import Orchestrator
+    from areal_aio.settings import load_settings
+    from tests.conftest import ROOT
+    from tests.test_e2e import TINY
+
+    settings = load_settings(ROOT / "settings.toml", TINY + ["run.mode=sync", "run.max_steps=2",
+                                                              "trainer.advantage=drgrpo", "task.eval_every=100"])
+    summary = await Orchestrator(settings, out_dir=tmp_path / "run", reward=half_huge).run()
+    assert summary["ended"] == "completed" and summary["reward_failures"] > 0 and summary["steps_skipped"] == 0
+    rows = steps(tmp_path / "run")
+    assert all(r["loss"] is not None and r["grad_norm"] is not None and r["skipped"] == 0 for r in rows)
+    weights = load_file(tmp_path / "run" / "model" / "model.safetensors")
+    assert all(t.isfinite().all() for t in weights.values())
