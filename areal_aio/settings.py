@@ -236,6 +236,7 @@ class RolloutSettings:
     chunk_tokens: int = opt(8, "Decode steps between looks at the pipe (the interrupt granularity).", ge=1)
     dtype: str = opt("float32", "float32 | bfloat16 weights for generation.", choices=("float32", "bfloat16"))
     quantize: str = opt("auto", "auto | off | int8: generation multiplies in int8 (CPU only; rows and weight channels scaled, a Hadamard rotation against outlier channels; areal_aio/workers/rollout/int8.py). auto: int8 where every rollout worker is on the CPU, generates float32 and LoRA, if any, is merged, on a CPU with an int8 dot-product unit (AVX-512 VNNI, AVX-VNNI, AMX, Arm i8mm); off elsewhere (a GPU, bfloat16, a CPU without one, where int8 is slower than float32). The trainer keeps float32; decoupled PPO corrects for the difference, reported per step as mismatch_kl. Held-out evals run on the rollout worker, so they measure the int8 policy (docs/rollout.md).", choices=("auto", "off", "int8"))
+    static_decode: str = opt("auto", "auto | on | off: decode in fixed slots over a preallocated KV cache, each step replayed from a captured CUDA graph on a GPU (one launch instead of one per kernel; areal_aio/workers/rollout/slots.py). auto: on for a CUDA rollout worker, off on a CPU (there a step is arithmetic, not launches, and the dynamic batch attends over fewer columns). Same tokens as off at temperature 0 (docs/rollout.md).", choices=("auto", "on", "off"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,15 @@ prompts), with the same sampling (temperature, top_p) and the same max_new_token
     engine+updates   the same, with new weights loaded (KV rebuilt) every --update-every steps
     engine+updates/keep  the same updates with rollout.kv_on_update = keep (no rebuild: the rows
                      decode on over the old weights' KV)
+    engine/static    the engine's static decode path (rollout.static_decode = on: fixed slots, a
+                     preallocated KV cache, on a GPU each step replayed from a captured CUDA
+                     graph); the captures apart (capture_s: once per engine, as compile_s below
+                     is once per process), tok_s_with_capture with them
+    engine/static+updates  the same with weight updates (the graphs survive them: weights are
+                     loaded in place)
+    engine/static/wait4  engine/static looking every 4 steps while requests wait for a slot,
+                     not every step (a slot freed by an EOS idles up to 3 steps; the host
+                     waits for the device a quarter as often)
     engine/int8      the engine on the model with rollout.quantize = int8 (CPU only), and
     engine/int8+updates  with updates, each load requantizing (areal_aio/workers/rollout/int8.py),
     engine/int8+updates/keep  and those updates keeping the KV
@@ -39,6 +48,11 @@ engine/int8 also reports `mismatch_kl`: the k3 KL per token between the int8 sam
 log-probs and the float32 model's for the same tokens at the same temperature (a whole-sequence
 pass), which is the trainer's `mismatch_kl` for a version's own tokens; engine reports the same
 for itself (float32 against float32: the batching's float noise alone).
+
+On a GPU every engine row also gives weight_tb_s: the weight bytes a decode step must read times
+the steps per second (a floor on the memory traffic: the KV read comes on top), and its share of
+the device-to-device copy bandwidth measured in the same process (copy_tb_s, bytes read and
+written): how close the decode step is to the memory-bandwidth limit.
 
 Tokens counted = tokens each sequence really generated (up to and including EOS); padding a
 static batch computes after a row's EOS is not counted. Also measured: the seconds to load the
@@ -101,11 +115,14 @@ def prompts(tok: Any, sequences: int, group: int) -> list[list[int]]:
 def run_engine(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_batch: int,
                updates: tuple[int, list[Path]] | None = None, load: Any = load_weights,
                reference: Any = None, keep_kv: bool = False,
-               watch: Callable[[Engine, list[Any]], None] | None = None) -> dict[str, Any]:
+               watch: Callable[[Engine, list[Any]], None] | None = None,
+               static: bool = False, waiting_steps: int = 1) -> dict[str, Any]:
     """All sequences queued at once; with `updates` = (every, paths), weights change mid-run
     (through `load`; `keep_kv`: rollout.kv_on_update = keep). With a `reference` model (no
     updates), also its mismatch_kl. `watch(engine, finished)` sees the engine after each advance."""
-    engine = Engine(model, tok, max_batch=max_batch, seed=0, load=load, keep_kv=keep_kv)
+    engine = Engine(model, tok, max_batch=max_batch, seed=0, load=load, keep_kv=keep_kv, static=static,
+                    waiting_steps=waiting_steps)
+    capture = _time_captures(engine) if static else None
     for i, prompt in enumerate(ids):
         engine.add(Request(str(i), prompt, max_new, TEMPERATURE, TOP_P))
     done, steps, loads, rebuilt, load_s, update_s = [], 0, 0, 0, 0.0, 0.0
@@ -128,13 +145,57 @@ def run_engine(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_bat
             loads, rebuilt, load_s = loads + 1, rebuilt + loaded.rebuilt, load_s + loaded.load_s
     seconds = time.perf_counter() - t0
     tokens = sum(len(c.completion_ids) for c in done)
-    out = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "sequences": len(done)}
+    out = {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "sequences": len(done),
+           "decode_steps": steps}
+    if capture is not None:
+        with_capture = seconds
+        seconds -= capture[0][0]
+        out.update(seconds=seconds, tok_s=tokens / seconds, capture_s=capture[0][0], graphs=capture[1](),
+                   tok_s_with_capture=tokens / with_capture, graph_error=engine.batch.graph_error)
+    if model.device.type == "cuda":
+        out["weight_tb_s"] = steps * _weight_bytes(model) / seconds / 1e12
     if reference is not None:
         out["mismatch_kl"] = mismatch_kl(reference, done)
     if updates:
         out.update(updates=loads, rebuilt_rows=rebuilt, load_s=load_s, update_s=update_s,
                    interrupted=sum(1 for c in done if c.interrupts))
     return out
+
+
+def _time_captures(engine: Engine) -> tuple[list[float], Callable[[], int]]:
+    """Wrap the engine's graph captures to add up their seconds: ([total], graphs captured)."""
+    slots, total = engine.batch, [0.0]
+    capture = slots._capture
+
+    def timed(*args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return capture(*args)
+        finally:
+            torch.cuda.synchronize()
+            total[0] += time.perf_counter() - t0
+
+    slots._capture = timed
+    return total, lambda: len(slots.graphs)
+
+
+def _weight_bytes(model: Any) -> int:
+    """Bytes of the weights a forward pass reads (tied embeddings once)."""
+    return sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
+
+
+def copy_bandwidth_tb_s(device: str, nbytes: int = 1 << 30) -> float:
+    """A device-to-device copy's TB/s, bytes read and written counted (the memory's practical limit)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * nbytes * 10 / (time.perf_counter() - t0) / 1e12
 
 
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::_int_mm", "aten::bmm", "aten::matmul", "aten::linear"}
@@ -320,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
                                                   (update_every, paths))),
             ("engine+updates/keep", lambda: run_engine(model, tok, ids, max_new, args.max_batch,
                                                        (update_every, paths), keep_kv=True)),
+            ("engine/static", lambda: run_engine(model, tok, ids, max_new, args.max_batch, static=True,
+                                                 reference=model)),
+            ("engine/static+updates", lambda: run_engine(model, tok, ids, max_new, args.max_batch,
+                                                         (update_every, paths), static=True)),
+            ("engine/static/wait4", lambda: run_engine(model, tok, ids, max_new, args.max_batch, static=True,
+                                                       waiting_steps=4)),
             (f"generate/b{args.group}", lambda: run_generate(model, tok, ids, max_new, args.group)),
             (f"generate/b{args.max_batch}",
              lambda: run_generate(model, tok, ids, max_new, args.max_batch)),
@@ -357,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.device.startswith("cuda"):
                 run_engine(model, tok, ids, max_new, args.max_batch)
                 run_engine(model, tok, ids, max_new, args.max_batch, (update_every, paths))  # rebuild shapes
+                run_engine(model, tok, ids, max_new, args.max_batch, static=True)
                 run_generate(model, tok, ids[:args.max_batch], max_new, args.max_batch)
             else:
                 run_engine(model, tok, ids[:args.group], 4, args.max_batch)
@@ -380,6 +448,11 @@ def main(argv: list[str] | None = None) -> int:
         store.close()
 
     summary = _summarize(rows, threads, args.group, load_times)
+    if args.device.startswith("cuda"):
+        summary["copy_tb_s"] = copy_bandwidth_tb_s(args.device)
+        for row in rows:
+            if "weight_tb_s" in row:
+                row["bandwidth_share"] = row["weight_tb_s"] / summary["copy_tb_s"]
     if args.ops:
         summary["ops"] = ops
     results = {"model": spec, "random_weights": args.random_weights, "device": args.device, "dtype": args.dtype, "sequences": sequences, "group": args.group, "max_new_tokens": max_new,
@@ -420,8 +493,15 @@ def _print_table(results: dict) -> None:
                  if "updates" in r else "")
         if "mismatch_kl" in r:
             extra += f"  (mismatch_kl {r['mismatch_kl']:.2e} to float32)"
+        if "capture_s" in r:
+            extra += f"  ({r['graphs']} graphs captured in {r['capture_s']:.2f}s"
+            extra += f"; capture failed: {r['graph_error']})" if r["graph_error"] else ")"
+        if "bandwidth_share" in r:
+            extra += f"  (weights read at {r['weight_tb_s']:.2f} TB/s: {r['bandwidth_share']:.0%} of a copy's)"
         print(f"{r['method']:18s} {r['threads']:7d} {r['tokens']:7d} {r['seconds']:8.2f} "
               f"{r['tok_s']:8.1f} {ratio:10.2f}{extra}")
+    if "copy_tb_s" in results:
+        print(f"device-to-device copy: {results['copy_tb_s']:.2f} TB/s (bytes read and written)")
     print(f"weight load from the store: median {results['weight_load_median_s']:.3f}s "
           f"over {len(results['weight_load_s'])} loads")
     for method, o in results.get("ops", {}).items():

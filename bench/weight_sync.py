@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny-random model, 3 repeats")
     ap.add_argument("--model", default=None, help=f"model spec (default {SMOLLM2}; {TINY} with --quick)")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="--model is a folder of config + tokenizer: weights drawn at random (the shape is what is timed)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a worker's share)")
     ap.add_argument("--device", default="cpu",
@@ -126,12 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     spec = args.model or (TINY if args.quick else SMOLLM2)
     repeats = args.repeats or (3 if args.quick else 7)
     torch.set_num_threads(args.threads)
-    src, _ = load_model(spec, seed=0, device=args.device)
+    src, _ = load_model(spec, seed=0, device=args.device, random_weights=args.random_weights)
     store = WeightStore.create("bench-weight-sync", base=SHM_BASE)
     results = []
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            dst, _ = load_model(spec, seed=1, dtype=str(dtype).removeprefix("torch."), device=args.device)
+            dst, _ = load_model(spec, seed=1, dtype=str(dtype).removeprefix("torch."), device=args.device,
+                                random_weights=args.random_weights)
             results.append(run_case(store, src, dst, dtype, repeats))
             del dst
     finally:

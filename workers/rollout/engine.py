@@ -43,7 +43,7 @@ from transformers.cache_utils import DynamicLayer
 from areal_aio.seeds import derive
 from areal_aio.store.safetensors_io import load_weights
 from areal_aio.wire import Completion, WeightsLoaded
-from areal_aio.workers.rollout.sampling import draw, nucleus, uniforms
+from areal_aio.workers.rollout.slots import Slots, graphs_possible, sample
 
 GREEDY_BELOW = 1e-5
 """A temperature under this is greedy decoding (the wire says 0; floats may arrive as 1e-9)."""
@@ -265,14 +265,19 @@ class Engine:
 
     def __init__(self, model: Any, tokenizer: Any, *, max_batch: int = 32, version: int = 0,
                  seed: int = 0, look_every_step: bool | None = None,
-                 load: Callable[[Any, str], float] = load_weights, keep_kv: bool = False) -> None:
+                 load: Callable[[Any, str], float] = load_weights, keep_kv: bool = False,
+                 static: bool = False, graphs: bool = True, waiting_steps: int = 1) -> None:
         """`look_every_step`: read the sampled tokens after every decode step, so finished rows
         leave the batch at once (default: on a CPU, where the read is free and a finished row's
         compute is not); else only when a waiting request may take a freed slot, at a row's
         length limit and at the end of `advance` (see there). `load(model, path) -> seconds`
         puts a published version into the model: the whole weights (default), or a LoRA run's
         adapter (workers/lora.py handoff). `keep_kv`: a weight update keeps the running rows' KV
-        (rollout.kv_on_update = keep; see update_weights)."""
+        (rollout.kv_on_update = keep; see update_weights). `static`: decode in fixed slots over a
+        preallocated KV cache (workers/rollout/slots.py; rollout.static_decode), each step
+        replayed from a captured CUDA graph on a GPU unless `graphs` is False. `waiting_steps`:
+        decode steps between looks while requests wait for a slot (1: a slot freed by an EOS is
+        refilled at the next step; more: fewer waits for the device, a freed slot idle longer)."""
         self.model = model
         self.keep_kv = keep_kv
         self.cache_kw = _cache_keyword(model)
@@ -282,9 +287,13 @@ class Engine:
         self.version = version
         self.device = next(model.parameters()).device
         self.look_every_step = self.device.type == "cpu" if look_every_step is None else look_every_step
+        self.waiting_steps = waiting_steps
         self.admitting = True  # False while draining for a non-interrupting weight update
         self.waiting: deque[_Seq] = deque()
-        self.batch = _Batch()
+        if static and (why := graphs_possible(model)):
+            raise ValueError(f"rollout.static_decode: this model cannot decode in slots: {why}")
+        self.batch: _Batch | Slots = (Slots(model, max_batch, self.cache_kw, sample, graphs) if static
+                                      else _Batch())
         self.seed = seed
         self._added = 0  # requests added: the default seed of a request that brings none
         self.eos = _eos_ids(model, tokenizer)
@@ -341,8 +350,8 @@ class Engine:
         decodes on until the look, which drops what it sampled after EOS; no other row reads
         its values, but like any batch mate it shapes the batch, which moves other rows' floats
         in the last bits (a float64 model gives bit-identical sequences either way). It stops
-        after one step when a request waits for a slot (a finished row's slot is refilled at the
-        next step, as with a look every step), after one step with `look_every_step`, and at the
+        after `waiting_steps` (default one) when a request waits for a slot (a finished row's slot
+        is then refilled at the next step, as with a look every step), after one step with `look_every_step`, and at the
         step where the first row reaches max_new_tokens, so no row runs past its limit and
         requests are admitted at the same steps either way.
         """
@@ -351,15 +360,19 @@ class Engine:
         if not b.seqs:
             return 1, done
         steps = 1
-        if not (self.look_every_step or (self.admitting and self.waiting)):
-            steps = min(max_steps, min(s.req.max_new_tokens - len(s.completion) for s in b.seqs))
+        if not self.look_every_step:
+            cap = self.waiting_steps if self.admitting and self.waiting else max_steps
+            steps = min(max_steps, cap, min(s.req.max_new_tokens - len(s.completion) for s in b.seqs))
         for _ in range(steps):
             self._decode(b)
         done.extend(self._look(b))
         return steps, done
 
-    def _decode(self, b: _Batch) -> None:
+    def _decode(self, b: _Batch | Slots) -> None:
         """One decode step of every row, all on the device: feed the pending tokens, draw the next."""
+        if isinstance(b, Slots):
+            b.step(_mode(b.seqs))
+            return
         b.mask = torch.cat([b.mask, b.mask.new_ones(len(b), 1)], dim=1)
         out = self.model(input_ids=b.pending[:, None], attention_mask=self._decode_mask(b),
                          position_ids=b.pos[:, None], **{self.cache_kw: b.cache}, use_cache=True,
@@ -499,9 +512,10 @@ class Engine:
         logprobs = torch.stack([lp for _, lp in b.drawn], dim=1).tolist()
         b.drawn = []
         keep, done = [], []
-        for i, seq in enumerate(b.seqs):
+        rows = b.used() if isinstance(b, Slots) else range(len(b.seqs))  # its row in what was drawn
+        for i, (seq, row) in enumerate(zip(b.seqs, rows, strict=True)):
             finish = None
-            for token, logprob in zip(tokens[i], logprobs[i], strict=True):
+            for token, logprob in zip(tokens[row], logprobs[row], strict=True):
                 seq.completion.append(token)
                 seq.logprobs.append(logprob)
                 seq.versions.append(self.version)
@@ -526,21 +540,9 @@ class Engine:
         logits / temperature, restricted to the top-p nucleus and renormalized, drawn with the
         row's own uniform for this token (seeds.uniform(seed, completion length), computed on
         the device from b.seed and b.count): the same token whatever other rows share the step.
-        Which branches run is read off the requests (host), never off the tensors.
+        Which branches run is read off the requests (host, `_mode`), never off the tensors.
         """
-        reqs = [s.req for s in b.seqs]
-        greedy = [r.temperature < GREEDY_BELOW for r in reqs]
-        if all(greedy):
-            logp = torch.log_softmax(logits, dim=-1)
-            token = logp.argmax(-1)
-            return token, logp.gather(1, token[:, None])[:, 0]
-        logp = torch.log_softmax(logits / b.scale[:, None], dim=-1)
-        if any(r.top_p < 1.0 and not g for r, g in zip(reqs, greedy, strict=True)):
-            logp = nucleus(logp, b.top_p)
-        token = draw(logp, uniforms(b.seed, b.count))
-        if any(greedy):
-            token = torch.where(b.greedy, logp.argmax(-1), token)
-        return token, logp.gather(1, token[:, None])[:, 0]
+        return sample(logits, _mode(b.seqs), b.scale, b.top_p, b.greedy, b.seed, b.count)
 
     # ------------------------------------------------------------------ weights
 
@@ -559,6 +561,8 @@ class Engine:
         default run it did not rise: docs/rollout.md).
         """
         load_s = self.load(self.model, path)
+        if isinstance(self.batch, Slots):
+            self.batch.reloaded()
         self.version = version
         self.prefixes.clear()  # computed with the old weights
         seqs = self.batch.seqs
@@ -566,7 +570,7 @@ class Engine:
             seq.interrupts += 1
         if self.keep_kv:
             return WeightsLoaded(version=version, load_s=load_s, rebuilt=0), []
-        self.batch = _Batch()
+        self.batch.keep([])
         done: list[Completion] = []
         # The pending token is part of the completion: the rebuild caches it too and samples the
         # next token under the new weights, restoring the invariant with a new pending token.
@@ -607,6 +611,16 @@ def _tail_buckets(seqs: list[_Seq]) -> list[list[_Seq]]:
         groups.append(seqs[cut[j]:j])
         j = cut[j]
     return groups[::-1]
+
+
+def _mode(seqs: list[_Seq]) -> str:
+    """How a step samples (slots.sample): "greedy" when every row is, "nucleus" when a sampled
+    row has top_p < 1, else "sample"."""
+    greedy = [s.req.temperature < GREEDY_BELOW for s in seqs]
+    if all(greedy):
+        return "greedy"
+    nucleus = any(s.req.top_p < 1.0 and not g for s, g in zip(seqs, greedy, strict=True))
+    return "nucleus" if nucleus else "sample"
 
 
 def _cache_keyword(model: Any) -> str:

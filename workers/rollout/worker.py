@@ -62,8 +62,9 @@ class RolloutWorker:
         load = lora.handoff(s.lora, s.model.path) if s.lora.rank else load_weights
         if s.rollout_quantize == "int8":  # generation in int8; each version requantized after its load
             load = int8.refreshing(load, int8.quantize(model))
+        static = ro.static_decode == "on" or (ro.static_decode == "auto" and self.device.startswith("cuda"))
         self.engine = Engine(model, self.tokenizer, max_batch=ro.max_batch, seed=s.run.seed, load=load,
-                             keep_kv=ro.kv_on_update == "keep")
+                             keep_kv=ro.kv_on_update == "keep", static=static)
         self.pending: wire.UpdateWeights | None = None
 
     def run(self, channel: Channel) -> None:
