@@ -41,6 +41,7 @@ STEP_METRICS = {
     "entropy": "train/entropy",
     "kl": "train/kl",
     "grad_norm": "train/grad_norm",
+    "skipped": "train/skipped",
     "clip_frac": "train/clip_frac",
     "adv_abs_mean": "train/adv_abs_mean",
     "ratio_min": "train/ratio_min",
