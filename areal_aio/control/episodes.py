@@ -11,17 +11,23 @@ from __future__ import annotations
 import asyncio
 import inspect
 
+from areal_aio import wire
 from areal_aio.rewards.scoring import FAILED, Score, as_score, import_reward
 from areal_aio.settings import Settings, SettingsError
 from areal_aio.tasks.episode import Bounds, Episode, Model, ReplyRequest
 from areal_aio.tasks.task import Task
 
-__all__ = ["CALCULATOR", "KEY", "Bounds", "Episode", "Model", "ReplyRequest", "episode_spec", "load_episode",
-           "play"]
+__all__ = ["CALCULATOR", "KEY", "Bounds", "Episode", "Model", "NoReply", "ReplyRequest", "episode_spec",
+           "load_episode", "name_of", "no_reply", "play", "why_failed"]
 
 KEY = "task.episode"
 CALCULATOR = "areal_aio.tasks.calculator:episode"
 """What task.name = calculator runs when task.episode is empty."""
+
+
+class NoReply(RuntimeError):
+    """The episode ended without a reply of the model: nothing of it can be trained, and it
+    cannot pass, whatever it returned."""
 
 
 def episode_spec(settings: Settings) -> str:
@@ -50,13 +56,38 @@ def load_episode(spec: str) -> Episode:
 
 async def play(episode: Episode, task: Task, model: Model, timeout_s: float) -> tuple[Score | None, Exception | None]:
     """Run one episode under its wall bound: (its own Score, or None to let task.reward score the
-    last reply; None), or (FAILED, why) when it raised, timed out, passed a bound or returned
-    something that is not a reward. Training and the held-out eval both play episodes here."""
+    last reply; None), or (FAILED, why) when it raised, timed out, passed a bound, returned
+    something that is not a reward or ended without a reply (NoReply). Training and the
+    held-out eval both play episodes here."""
     try:
         async with asyncio.timeout(timeout_s):
             result = await episode(task, model)
+        if model.transcript.last is None:
+            raise NoReply("ended without a reply (it never awaited model.reply())")
         return (None if result is None else as_score(result)), None
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's code: its failure scores 0, counted
         return FAILED, exc
+
+
+def no_reply(request_id: str, prompt_ids: list[int] | None = None) -> wire.Completion:
+    """What an episode that never replied leaves: no token (the prompt's ids, when known, so it
+    can sit in its group's batch and count in the group's advantages)."""
+    return wire.Completion(request_id=request_id, prompt_ids=list(prompt_ids or []), completion_ids=[],
+                           logprobs=[], versions=[], text="", finish="abort", interrupts=0, gen_s=0.0)
+
+
+def name_of(episode: Episode) -> str:
+    """"package.module:function" of an episode function (what task.episode would name)."""
+    fn = episode if inspect.isfunction(episode) or inspect.ismethod(episode) else type(episode)
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def why_failed(failure: Exception) -> str:
+    """An episode's failure in a few words, for one line."""
+    if isinstance(failure, NoReply):
+        return str(failure)
+    if isinstance(failure, TimeoutError):
+        return "timed out (task.episode_timeout_s)"
+    return f"raised {type(failure).__name__}: {failure}"[:300]

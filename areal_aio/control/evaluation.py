@@ -92,14 +92,15 @@ class EpisodeEval:
     completions: list[wire.Completion]
     scores: list[Score]
     turns: list[list[dict[str, Any]]]  # each episode's record (episodes.Transcript.turns)
-    failures: int  # episodes that raised or passed a bound (scored 0)
+    failures: int  # episodes that raised, timed out, passed a bound or never replied (scored 0)
 
 
 async def run_episodes(episode: episodes.Episode, eval_set: list[Task], step: int, settings: Settings,
                        scorer: Scorer, ask: Ask, label: str = "") -> EpisodeEval:
     """Each held-out task as one episode of the run's episode function, with every reply greedy
     (ids eval<step><label>.<i>.r<reply>), under the run's episode bounds; scored as a training
-    episode is (its own reward, else task.reward on the last reply; one that fails scores 0)."""
+    episode is (its own reward, else task.reward on the last reply; one that fails, or ends
+    without a reply, scores 0)."""
     bounds = episodes.Bounds.of(settings)
 
     async def one(i: int, task: Task) -> tuple[wire.Completion, Score, list[dict[str, Any]], bool]:
@@ -110,9 +111,8 @@ async def run_episodes(episode: episodes.Episode, eval_set: list[Task], step: in
 
         model = episodes.Model(bounds, request)
         score, failure = await episodes.play(episode, task, model, bounds.timeout_s)
-        completion = model.transcript.completion() or wire.Completion(
-            request_id=f"eval{step}.{i}", prompt_ids=[], completion_ids=[], logprobs=[], versions=[],
-            text="", finish="abort", interrupts=0, gen_s=0.0)  # failed before its first reply
+        # one that never replied failed (episodes.play): it cannot pass, whatever it returned
+        completion = model.transcript.completion() or episodes.no_reply(f"eval{step}.{i}")
         if score is None:
             score = await scorer.score(task, completion.text)
         return completion, score, model.transcript.turns, failure is not None

@@ -18,9 +18,13 @@
         is counted (stats.Counts.dropped) and each sample gets its samples.jsonl row
 
 A group is kept, dropped and trained whole: GRPO normalizes within it. An episode (episodes.py)
-is one sample: it is scored when the user's function returns; one that raises, times out or
-passes a bound scores 0 and is counted; one that ends without a reply drops its group; a
-dropped group or a stop cancels it (its reply in flight is aborted). The
+is one sample: it is scored when the user's function returns; one that raises, times out,
+passes a bound or ends without a reply scores 0, is counted and keeps its place in its group
+(one without a reply has no token: it trains nothing, its 0 counts in the group's advantages);
+a group none of whose episodes replied has nothing to train and is dropped ("episode");
+FAILING_GROUPS_TO_STOP groups in a row whose every episode failed end the run
+(EpisodesFailing); a dropped group or a stop cancels an episode (its reply in flight is
+aborted). The
 open groups (`open_tasks`: pending or waiting in the replay buffer) and the next group id are
 what a checkpoint keeps of this (keeping.RunState): a resume admits those groups again under the
 same ids, so their sampling seeds are the same.
@@ -50,6 +54,18 @@ if TYPE_CHECKING:
 
 UNIFORM_EPS = 1e-9
 """Rewards of a group closer than this are equal (dynamic sampling)."""
+FAILING_GROUPS_TO_STOP = 16
+"""Groups in a row whose every episode failed that end the run (EpisodesFailing). Their rewards
+are all 0, so they teach nothing: a run of them is a broken episode function, not a hard task.
+It is stopped within milliseconds when the episode fails before its first reply (such a group
+is dropped and the next admitted at once), while an episode that works and fails a share p of
+the time ends a run this way with odds p^(group_size x 16) per stretch: 2e-10 for p = 0.5 and
+two samples a group (the default has eight)."""
+
+
+class EpisodesFailing(RuntimeError):
+    """Every episode of FAILING_GROUPS_TO_STOP groups in a row failed: the run ends (its
+    __cause__ is the last failure, whose traceback error.log keeps)."""
 
 
 @dataclass(slots=True)
@@ -66,10 +82,13 @@ class Sample:
     process: dict | None = None  # process.mode: the process reward's record of this reply
     model: episodes.Model | None = None  # an episode's: its transcript (the sequence, its turns)
     waiting: asyncio.Future | None = None  # an episode's reply in flight: its Completion
+    failure: str | None = None  # an episode's failure (episodes.why_failed); None: it did not fail
+    no_token_version: int = 0  # without a token (an episode that never replied): its group's oldest
 
     @property
     def oldest_version(self) -> int:
-        return self.completion.oldest_version
+        """Of its oldest token; a sample without one is as old as its group (it trains nothing)."""
+        return self.completion.oldest_version if self.completion.versions else self.no_token_version
 
     @property
     def loss_mask(self) -> list[int] | None:
@@ -131,6 +150,7 @@ class Groups:
         self.closing = False  # the train loop is done: in-flight rollouts are abandoned
         self._ids = itertools.count(next_group)
         self._uniform_in_a_row = 0  # dynamic sampling: groups skipped since the last one trained
+        self._failing_in_a_row = 0  # groups whose every episode failed, since one that did not
         self.log: RunLog | None = None  # set by attach
         self.scorer: Scorer | None = None
 
@@ -228,25 +248,38 @@ class Groups:
 
     async def _play(self, sample: Sample, group: PendingGroup) -> None:
         """One sample as a multi-turn episode (episodes.py): the user's function under
-        task.episode_timeout_s, then its score. One that raises, times out or passes a bound
-        scores 0 and is counted; a dropped group or a stop cancels it (its reply in flight is
-        aborted); one that ends without a reply drops its group (nothing to train)."""
+        task.episode_timeout_s, then its score. One that raises, times out, passes a bound or
+        ends without a reply scores 0 and is counted; a dropped group or a stop cancels it (its
+        reply in flight is aborted). Once its group is whole, a run of groups that only failed
+        ends the run (EpisodesFailing)."""
         bounds = episodes.Bounds.of(self.settings)
         model = sample.model = episodes.Model(bounds, lambda ask: self._reply(sample, group, ask))
         score, failure = await episodes.play(self.episode, sample.task, model, bounds.timeout_s)
         if failure is not None:
+            sample.failure = episodes.why_failed(failure)
             self.counts.episode_failures += 1
             self.log.events.info("episode_failed", request_id=sample.request_id, replies=model.replies,
                                  error=f"{type(failure).__name__}: {failure}"[:500])
         sample.completion = model.transcript.completion()
-        if sample.completion is None:  # no reply: nothing to train, so the group is lost now
-            if not group.dropped:
-                self.drop_group(group, "episode")
-            return
-        self.counts.generated += 1
-        if score is None:
-            score = await self.scorer.score(sample.task, sample.completion.text)
+        if sample.completion is not None:
+            self.counts.generated += 1
+            if score is None:
+                score = await self.scorer.score(sample.task, sample.completion.text)
         self.scored(sample, group, score)
+        if group.scored == len(group.samples) and not group.dropped:
+            self._count_failing(group, failure)
+
+    def _count_failing(self, group: PendingGroup, last: Exception | None) -> None:
+        """A whole group's episodes are in: count a group whose every episode failed, and end
+        the run at FAILING_GROUPS_TO_STOP in a row (`last`: the failure that completed it)."""
+        if any(s.failure is None for s in group.samples):
+            self._failing_in_a_row = 0
+            return
+        self._failing_in_a_row += 1
+        if self._failing_in_a_row >= FAILING_GROUPS_TO_STOP:
+            raise EpisodesFailing(
+                f"every episode failed, {FAILING_GROUPS_TO_STOP} groups in a row: "
+                f"{episodes.name_of(self.episode)} {group.samples[-1].failure}") from last
 
     async def _reply(self, sample: Sample, group: PendingGroup, ask: episodes.ReplyRequest) -> wire.Completion:
         """One reply of an episode: a Generate, its Completion. An abort answer (on_interrupt =
@@ -304,6 +337,9 @@ class Groups:
         group.scored += 1
         if group.scored == len(group.samples) and not group.dropped:
             del self.pending[sample.group_id]
+            if not _fill_no_replies(group.samples):
+                self.drop(group.samples, "episode")  # no episode replied: nothing to train
+                return
             if self.skips(group.samples):
                 self.drop(group.samples, "uniform")
                 return
@@ -343,3 +379,19 @@ class Groups:
         self.admission.drop(len(samples))
         self.counts.dropped(len(samples), why)
         self.log.rows("samples", (stats.sample_row(s, dropped=why) for s in samples))
+
+
+def _fill_no_replies(samples: list[Sample]) -> bool:
+    """A whole group: each sample without a completion (an episode that never replied) gets an
+    empty one after the group's prompt (episodes.no_reply), as old as the group's oldest token,
+    so it trains nothing and counts in the group's advantages. False: no sample has a reply."""
+    replied = [s for s in samples if s.completion is not None]
+    if not replied:
+        return False
+    if len(replied) < len(samples):
+        oldest = min(s.oldest_version for s in replied)
+        for s in samples:
+            if s.completion is None:
+                s.completion = episodes.no_reply(s.request_id, replied[0].completion.prompt_ids)
+                s.no_token_version = oldest
+    return True

@@ -213,17 +213,95 @@ async def test_turns_that_fill_the_token_bound_end_the_episode(tmp_path):
                and r["turns"][2]["tokens"] == 0 for r in rows(tmp_path / "run"))
 
 
-async def test_an_episode_without_a_reply_drops_its_group_and_counts_it(tmp_path):
+async def test_an_episode_without_a_reply_scores_zero_and_keeps_its_place_in_its_group(tmp_path):
+    """One that raises before its first reply, and one that never calls the model (returning a
+    reward of its own), fail like any episode: 0, counted, trained in their group with no token."""
+    started = itertools.count()
+
+    async def half_fail_before_replying(task, model):
+        k = next(started)  # a group's episodes start one after another: each group has both
+        if k % 4 == 1:
+            raise ValueError("the tool server is down")
+        if k % 4 == 3:
+            return 1.0  # no reply: it cannot pass
+        await model.reply()
+        return 0.5
+
+    trainer = FakeTrainer()
+    settings = make_settings("sync", **{"run.max_steps": 2, "run.max_wall_s": 10.0})  # bounds a spin
+    summary = await orchestrator(tmp_path, settings, trainer=trainer, episode=half_fail_before_replying).run()
+    assert summary["steps"] == 2 and summary["samples_dropped_episode"] == 0
+    assert summary["episode_failures"] == summary["reward_failures"] == 4  # two per step
+    for batch in trainer.batches:
+        assert [s.reward for s in batch.samples] == [0.5, 0.0] * 2
+        for replied, failed in zip(batch.samples[::2], batch.samples[1::2], strict=True):
+            assert failed.completion_ids == failed.logprobs == failed.versions == failed.loss_mask == []
+            assert failed.prompt_ids == replied.prompt_ids and failed.group == replied.group
+    failed = [r for r in rows(tmp_path / "run") if r["tokens"] == 0]
+    assert len(failed) == 4 and all(r["reward"] == 0 and r["reward_failed"] and not r["pass"]
+                                    and r["dropped"] is None for r in failed)
+
+
+async def test_a_group_none_of_whose_episodes_replied_is_dropped_and_counted(tmp_path):
     async def episode(task, model):
         if task.id == "t1":
             return 1.0
         await model.reply()
 
     summary = await orchestrator(tmp_path, make_settings("sync", **{"run.max_steps": 2}), episode=episode).run()
-    assert summary["steps"] == 2 and summary["samples_dropped_episode"] == 2
+    assert summary["steps"] == 2 and summary["samples_dropped_episode"] == 2 and summary["episode_failures"] == 2
     trained = [r for r in rows(tmp_path / "run") if r["dropped"] is None]
     assert "t1" not in {r["task_id"] for r in trained} and {"t0", "t2"} <= {r["task_id"] for r in trained}
-    assert [r["task_id"] for r in rows(tmp_path / "run") if r["dropped"] == "episode"] == ["t1", "t1"]
+    dropped = [r for r in rows(tmp_path / "run") if r["dropped"] == "episode"]
+    assert [(r["task_id"], r["reward"], r["pass"]) for r in dropped] == [("t1", 0.0, False)] * 2
+
+
+async def broken_episode(task, model):
+    raise KeyError("tool")
+
+
+async def silent_episode(task, model):
+    return 1.0
+
+
+@pytest.mark.parametrize("episode,why", [(broken_episode, "raised KeyError: 'tool'"),
+                                         (silent_episode, "ended without a reply")])
+async def test_a_run_whose_every_episode_fails_stops_naming_the_episode(tmp_path, episode, why):
+    """It must not spin (each group dropped and admitted again at once) until run.max_wall_s."""
+    from areal_aio.control.groups import FAILING_GROUPS_TO_STOP, EpisodesFailing
+    from areal_aio.control.stats import cause
+
+    settings = make_settings("sync", **{"run.max_steps": 2, "run.max_wall_s": 10.0})
+    orch = orchestrator(tmp_path, settings, episode=episode)
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(ExceptionGroup) as info:
+        await orch.run()
+    assert asyncio.get_running_loop().time() - t0 < 5
+    failure = info.value.exceptions[0]
+    assert isinstance(failure, EpisodesFailing)
+    name = f"tests.control.test_episodes:{episode.__name__}"
+    assert cause(info.value).startswith(f"EpisodesFailing: every episode failed, {FAILING_GROUPS_TO_STOP} "
+                                        f"groups in a row: {name} {why}")
+    summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
+    assert summary["ended"].startswith("failed: EpisodesFailing") and summary["steps"] == 0
+    assert summary["episode_failures"] == 2 * FAILING_GROUPS_TO_STOP  # then it stopped
+    assert summary["samples_admitted"] <= 2 * (FAILING_GROUPS_TO_STOP + 2)
+
+
+async def test_groups_that_only_fail_now_and_then_do_not_stop_the_run(tmp_path):
+    from areal_aio.control.groups import FAILING_GROUPS_TO_STOP
+
+    groups = itertools.count()
+
+    async def fails_but_in_every_fourth_group(task, model):
+        await model.reply()
+        if next(groups) // 2 % 4:
+            raise RuntimeError("flaky")
+        return 1.0
+
+    settings = make_settings("sync", **{"run.max_steps": FAILING_GROUPS_TO_STOP})
+    summary = await orchestrator(tmp_path, settings, episode=fails_but_in_every_fourth_group).run()
+    assert summary["steps"] == FAILING_GROUPS_TO_STOP and summary["ended"] == "completed"
 
 
 async def test_returning_none_lets_task_reward_score_the_last_reply(tmp_path):
@@ -393,6 +471,18 @@ async def test_an_eval_episode_that_fails_scores_zero_and_is_counted_in_its_row(
     assert [(e["pass_rate"], e["episode_failures"]) for e in summary["eval_curve"]] == [(0.25, 3)] * 2
 
 
+async def test_an_eval_episode_without_a_reply_cannot_pass(tmp_path):
+    async def answers_held_out_without_the_model(task, model):
+        if task.id in EVAL_IDS:
+            return 1.0
+        await model.reply()
+
+    summary = await orchestrator(tmp_path, make_settings("sync", **{"run.max_steps": 2}),
+                                 episode=answers_held_out_without_the_model).run()
+    assert [(e["pass_rate"], e["episode_failures"]) for e in summary["eval_curve"]] == [(0.0, 4)] * 2
+    assert all(r["tokens"] == 0 and not r["pass"] for r in rows(tmp_path / "run", "eval"))
+
+
 @pytest.mark.parametrize("bound_s,delay_s,kept", [(60.0, 0.002, True), (0.3, 0.05, False)])  # a reply: 64 tokens
 async def test_a_cancel_during_an_episode_eval_runs_it_again_within_the_bound(tmp_path, monkeypatch, bound_s,
                                                                              delay_s, kept):
@@ -467,9 +557,8 @@ async def test_a_turn_before_the_first_reply_is_refused(tmp_path):
 
     summary = await orchestrator(tmp_path, make_settings("sync", **{"run.max_steps": 1}),
                                  tasks=tasks(8), episode=early).run()
-    # 8 tasks x 2, none trainable: the first episode of each group fails, and its group is given
-    # up at once (its sibling cancelled before it runs: no work spent on a lost group)
-    assert summary["episode_failures"] == 8 and summary["steps"] == 0
+    # 8 tasks x 2, every episode fails before a reply: each group has nothing to train
+    assert summary["episode_failures"] == 16 and summary["steps"] == 0
     assert summary["samples_dropped_episode"] == 16
 
 
