@@ -34,7 +34,8 @@ from pathlib import Path
 import orjson
 
 from areal_aio.app.preflight import preflight
-from areal_aio.app.runner import exit_code, run_owned
+from areal_aio.app.runner import close_console, exit_code, run_owned
+from areal_aio.control.progress import say
 from areal_aio.settings import SettingsError, describe, load_settings
 from areal_aio.store.checkpoint import CheckpointError
 
@@ -79,9 +80,17 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    """The command's exit code; stdout and stderr are flushed (or let go, when gone) before it
+    returns (runner.close_console)."""
+    try:
+        return _command(parser().parse_args(argv))
+    finally:
+        close_console()
+
+
+def _command(args: argparse.Namespace) -> int:
     if args.command == "keys":
-        print(describe())
+        say(describe(), sys.stdout)
         return 0
     if args.command == "report":
         from areal_aio.app.report import main as report
@@ -101,13 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args.settings, args.overrides)
         rows = preflight(settings, getattr(args, "out", None))
     except SettingsError as exc:  # a bad key or value, or an input preflight rejects
-        print(f"settings error: {exc}", file=sys.stderr)
+        say(f"settings error: {exc}")
         return 2
     except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        say(f"error: {exc}")
         return 2
     if args.command == "check":
-        print(settings.to_toml(), end="")
+        say(settings.to_toml().rstrip("\n"), sys.stdout)
         return 0
     return _run(settings, args.out, rows=rows)
 
@@ -138,9 +147,9 @@ def _eval(model: str, settings_path: str | None, overrides: list[str], out: str 
         result = run_owned(evaluate_model(settings, target))
     except BaseException as exc:  # noqa: BLE001 - exit_code re-raises what is not a job's end
         return exit_code(exc, target.parent)
-    print(f"{spec}: pass {result['pass_rate']:.3f}  strict {result['strict_rate']:.3f}  "
-          f"reward {result['reward_mean']:.3f}  ({result['n']} held-out prompts)")
-    print(f"wrote {target} (the eval's logs beside it)")
+    say(f"{spec}: pass {result['pass_rate']:.3f}  strict {result['strict_rate']:.3f}  "
+        f"reward {result['reward_mean']:.3f}  ({result['n']} held-out prompts)\n"
+        f"wrote {target} (the eval's logs beside it)", sys.stdout, target.parent)
     return 0
 
 
@@ -156,16 +165,22 @@ def _run(settings, out: str | None, resume=None, rows=None) -> int:
     try:
         summary = run_owned(run_tracked(orchestrator))
     except CheckpointError as exc:  # the folder holds a run, or another run is using it
-        print(f"error: {exc}", file=sys.stderr)
+        say(f"error: {exc}")
         return 2
     except BaseException as exc:  # noqa: BLE001 - exit_code re-raises what is not a run's end
         return exit_code(exc, orchestrator.folder)
-    print(file=sys.stderr)
-    print(orjson.dumps({k: summary.get(k) for k in SUMMARY_KEYS}, option=orjson.OPT_INDENT_2).decode())
-    print("eval curve (step, wall_s, pass, strict):")
-    for row in summary["eval_curve"]:
-        print(f"  {row['step']:4d} {row['wall_s']:8.1f}s  {row['pass_rate']:.3f}  {row['strict_rate']:.3f}")
-    print(f"run folder: {orchestrator.folder}")
-    if summary.get("final_version"):
-        print(f"model: {orchestrator.folder / 'model'}")
+    say("")  # the progress line ends
+    say(ending(summary, orchestrator.folder), sys.stdout, orchestrator.folder)
     return 0
+
+
+def ending(summary: dict, folder: Path) -> str:
+    """What a finished run prints: its main figures, the eval curve, where its folder and model are."""
+    lines = [orjson.dumps({k: summary.get(k) for k in SUMMARY_KEYS}, option=orjson.OPT_INDENT_2).decode(),
+             "eval curve (step, wall_s, pass, strict):",
+             *(f"  {row['step']:4d} {row['wall_s']:8.1f}s  {row['pass_rate']:.3f}  {row['strict_rate']:.3f}"
+               for row in summary["eval_curve"]),
+             f"run folder: {folder}"]
+    if summary.get("final_version"):
+        lines.append(f"model: {folder / 'model'}")
+    return "\n".join(lines)

@@ -34,6 +34,8 @@ from typing import Any
 import orjson
 from matplotlib.figure import Figure
 
+from areal_aio.control.progress import say
+
 TRAINING_PANELS = (("reward_mean", "reward (mean of the batch)"), ("entropy", "entropy (per token)"),
                    ("loss", "loss"))
 QUEUES = ("in_flight", "replay_groups", "pending_groups")
@@ -366,7 +368,7 @@ def main(run_dirs: list[str], out: str | None = None) -> int:
     try:
         path = write_report(run_dirs, out if out is not None else default_out(run_dirs))
     except FileNotFoundError as exc:
-        print(f"report: {exc}", file=sys.stderr)
+        say(f"report: {exc}")
         return 2
-    print(f"report: {path}")
+    say(f"report: {path}", sys.stdout)
     return 0

@@ -1,16 +1,24 @@
 """How a command that owns the process runs a job and ends: the loop it runs on (uvloop, its
 signals), and the exit code and the one line it prints when the job stops or fails. The CLI's
-`run` and `eval`, `sft`, and the bench scripts all end through here."""
+`run` and `eval`, `sft`, and the bench scripts all end through here.
+
+Nothing here needs the console: `run | tee` whose tee the same Ctrl-C ended leaves a stdout
+(or stderr) that raises BrokenPipeError. A line it cannot take goes to the run folder
+(control.progress.say), and `close_console` lets such a stream go before Python's own flush at
+exit would turn the exit code into 120."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import os
 import signal
 import sys
 import traceback
 from pathlib import Path
 
+from areal_aio.control.progress import GONE, say
 from areal_aio.control.stats import cause as one_line
 
 ERROR_LOG = "error.log"
@@ -51,7 +59,7 @@ async def _owning_process(coro, received: list[int]):
 
     def on_signal(signum: int) -> None:
         if received:
-            print(STOPPING, file=sys.stderr, flush=True)
+            say(STOPPING)
             return
         received.append(signum)
         task.cancel()
@@ -76,17 +84,33 @@ async def _owning_process(coro, received: list[int]):
 def exit_code(exc: BaseException, folder: Path) -> int:
     """How a command that ran workers for a run folder ends on `exc`: Ctrl-C 130, SIGTERM 143
     (the workers were stopped either way), any other failure one line here and the traceback in
-    `folder`/error.log, 1. A BaseException that is none of these is raised again."""
+    `folder`/error.log, 1. A BaseException that is none of these is raised again. The line goes
+    to `folder`/console.log when stderr is gone."""
     if isinstance(exc, KeyboardInterrupt):
-        print(f"\ninterrupted; workers stopped, partial results in {folder}", file=sys.stderr)
+        say(f"\ninterrupted; workers stopped, partial results in {folder}", folder=folder)
         return 130
     if isinstance(exc, asyncio.CancelledError):
-        print(f"\nterminated; workers stopped, partial results in {folder}", file=sys.stderr)
+        say(f"\nterminated; workers stopped, partial results in {folder}", folder=folder)
         return 143
     if not isinstance(exc, Exception):
         raise exc
-    print(f"\nerror: {one_line(exc)}; {write_error_log(exc, folder)}", file=sys.stderr)
+    say(f"\nerror: {one_line(exc)}; {write_error_log(exc, folder)}", folder=folder)
     return 1
+
+
+def close_console() -> None:
+    """Flush stdout and stderr as a command ends. One that is gone (`run | head`, a `tee` the
+    same Ctrl-C ended) is pointed at /dev/null, so that Python's own flush at exit finds nothing
+    to fail on: it would print a traceback and turn the exit code into 120 (the Python docs'
+    "Note on SIGPIPE")."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except GONE:
+            with contextlib.suppress(OSError, ValueError):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, stream.fileno())
+                os.close(devnull)
 
 
 def run_owned(coro):

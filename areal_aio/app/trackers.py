@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from areal_aio.control.progress import say
+
 if TYPE_CHECKING:
     from areal_aio.control.controller import Orchestrator
 
-"""Tracker name in `run.report_to` -> the import name of the package it needs."""
 PROJECT = "areal_aio"
 """wandb / trackio project every run is logged under (the run's name is its folder's)."""
 CLOSE_TIMEOUT_S = 60.0
@@ -224,8 +224,8 @@ async def run_tracked(orchestrator: Orchestrator, names: Iterable[str] | None = 
         done, _ = await asyncio.wait({follower}, timeout=CLOSE_TIMEOUT_S)
         if not done:
             follower.cancel()
-            print(f"warning: trackers still writing after {CLOSE_TIMEOUT_S:.0f} s, stopped; "
-                  f"the run folder's rows are complete", file=sys.stderr)
+            say(f"warning: trackers still writing after {CLOSE_TIMEOUT_S:.0f} s, stopped; "
+                f"the run folder's rows are complete", folder=orchestrator.folder)
         elif not follower.cancelled() and follower.exception() is not None:
-            print(f"warning: trackers stopped, the run folder's rows are complete: "
-                  f"{follower.exception()!r}", file=sys.stderr)
+            say(f"warning: trackers stopped, the run folder's rows are complete: "
+                f"{follower.exception()!r}", folder=orchestrator.folder)

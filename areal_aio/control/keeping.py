@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import IO, Any
 
 import orjson
 
+from areal_aio.control.progress import say
 from areal_aio.control.runlog import RunLog
 from areal_aio.control.stats import Counts
 from areal_aio.control.trainer_link import TrainerLink
@@ -252,14 +252,15 @@ class Keeper:
                                     workers_up: bool) -> None:
         """At a stop: a trainer that is alive keeps the run (finishes a step in flight, writes
         model/, best/, a checkpoint), then is stopped; a write it did not finish leaves no
-        temp folder (model/ and best/ stay whole or as they were, the checkpoints before it whole)."""
+        temp folder (model/ and best/ stay whole or as they were, the checkpoints before it whole).
+        Nothing here needs the console: a line it cannot take goes to the run folder (say)."""
         try:
             if workers_up and getattr(failure, "role", None) != "trainer":  # a broken reward pool has no role
                 await asyncio.wait_for(self.keep_at_stop(), STOP_SAVE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - keeping must never hide why the run stopped
             if self.log is not None:
                 self.log.events.info("keep_failed", error=f"{type(exc).__name__}: {exc}")
-            print(f"areal_aio: could not write model/ or the final checkpoint: {exc}", file=sys.stderr)
+            say(f"areal_aio: could not write model/ or the final checkpoint: {exc}", folder=self.folder)
         finally:
             try:
                 await self.link.trainer.stop()

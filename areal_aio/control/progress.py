@@ -7,13 +7,18 @@
             printed (rich table / plain lines) and appended to <run folder>/completions.md
     controller._monitor --every PROGRESS_PERIOD_S--> Progress.refresh (the bar's clock)
 
-Terminal handling is rich's; this module only chooses what to show.
+Terminal handling is rich's; this module only chooses what to show. The console is never
+needed: a run piped into `tee` or `less` whose reader is gone (the same Ctrl-C ended it) or a
+closed stream is let go, and what would have been printed goes to <run folder>/console.log
+(`say`): what a run keeps at a stop must not depend on its stdout or stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -27,6 +32,38 @@ COMPLETION_GROUPS = 3
 group-relative advantage learns from, in a table short enough to read between steps."""
 CONSOLE_CHARS = 70
 """Prompt and reply are cut to this many characters on the console (completions.md keeps all)."""
+CONSOLE_LOG = "console.log"
+"""In the run folder: the lines a console could not take."""
+GONE = (OSError, ValueError)
+"""What writing to a console that is gone raises: BrokenPipeError (its pipe's reader ended),
+another OSError (a hung-up terminal: EIO), ValueError (a closed file)."""
+
+
+def say(text: str, stream: TextIO | None = None, folder: Path | None = None) -> bool:
+    """Print `text` to `stream` (stderr by default), flushed; True if it was. A console that is
+    gone (GONE) is ignored, never raised: the line goes to <folder>/console.log instead when a
+    folder is given. The stop path prints through here, so a run's keep never depends on it."""
+    try:
+        print(text, file=stream if stream is not None else sys.stderr, flush=True)
+        return True
+    except GONE:
+        if folder is not None:
+            keep_line(text, folder)
+        return False
+
+
+def keep_line(text: str, folder: Path) -> None:
+    """Append `text` to <folder>/console.log (a folder that cannot take it either is let be)."""
+    with contextlib.suppress(OSError):
+        with open(folder / CONSOLE_LOG, "a") as fh:
+            fh.write(text.rstrip("\n") + "\n")
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """rich's own points stdout at /dev/null and exits the process (SystemExit, whichever
+        stream broke); a run lets its console go instead (Progress._on_console) and goes on."""
+        raise BrokenPipeError(errno.EPIPE, "the console's reader is gone")
 
 
 class Progress:
@@ -42,11 +79,12 @@ class Progress:
         self.show = show
         self.completions_every = completions_every
         self._evals = evals
-        self.console = Console(file=stream or sys.stderr, force_terminal=terminal, highlight=False,
+        self.console = _Console(file=stream or sys.stderr, force_terminal=terminal, highlight=False,
                                soft_wrap=True)
         self._bar: Bar | None = None
         self._task = None
         self._last: dict[str, Any] | None = None
+        self.gone = False  # the console could not be written: lines go to console.log
 
     @property
     def terminal(self) -> bool:
@@ -74,22 +112,40 @@ class Progress:
         self._last = row
         if self.show:
             if self.terminal:
-                self._draw()
+                self._on_console(self._draw)
             else:
-                print(f"step {row['step']}/{self.max_steps} {self.stats(row)} | {row['wall_s']:.0f}s",
-                      file=self.console.file, flush=True)
+                self._line(f"step {row['step']}/{self.max_steps} {self.stats(row)} | {row['wall_s']:.0f}s")
         if self.completions_every and row["step"] % self.completions_every == 0 and samples:
             self.completions(row, samples)
 
     def refresh(self) -> None:
         """Between steps: keep the terminal bar's clock and eval figures current."""
         if self.show and self.terminal:
-            self._draw()
+            self._on_console(self._draw)
 
     def close(self) -> None:
         if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
+            bar, self._bar = self._bar, None
+            self._on_console(bar.stop)
+
+    def _line(self, text: str) -> None:
+        """One plain line: to the console, or to console.log once the console is gone."""
+        if self.gone:
+            keep_line(text, self.folder)
+        elif not say(text, self.console.file, self.folder):
+            self.gone = True
+
+    def _on_console(self, draw: Callable[[], None]) -> None:
+        """Draw on the terminal; one that is gone is let go (the bar dropped, never raised)."""
+        if self.gone:
+            return
+        try:
+            draw()
+        except GONE:
+            self.gone, bar, self._bar = True, self._bar, None
+            if bar is not None:
+                with contextlib.suppress(*GONE):
+                    bar.stop()  # gives sys.stdout and sys.stderr back
 
     def _draw(self) -> None:
         if self._bar is None:
@@ -123,13 +179,10 @@ class Progress:
             for r in shown:
                 table.add_row(_cut(r["prompt"]), _cut(r["reply"]), f"{r['reward']:.2f}", r["versions"])
             console = self._bar.console if self._bar is not None else self.console
-            console.print(table)
+            self._on_console(lambda: console.print(table))
         else:
-            print(title, file=self.console.file)
-            for r in shown:
-                print(f"  [{r['reward']:.2f} v{r['versions']}] {_cut(r['prompt'])!r} -> "
-                      f"{_cut(r['reply'])!r}", file=self.console.file)
-            self.console.file.flush()
+            self._line("\n".join([title, *(f"  [{r['reward']:.2f} v{r['versions']}] {_cut(r['prompt'])!r} -> "
+                                            f"{_cut(r['reply'])!r}" for r in shown)]))
 
 
 def pick(samples: Sequence[Any]) -> list[dict[str, Any]]:

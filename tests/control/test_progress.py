@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from areal_aio import wire
 from areal_aio.control.groups import Sample
-from areal_aio.control.progress import Progress, pick
+from areal_aio.control.progress import CONSOLE_LOG, Progress, pick
 from areal_aio.rewards.scoring import Score
 from areal_aio.tasks.task import Task
 from tests.conftest import make_settings, orchestrator
@@ -111,3 +113,24 @@ async def test_the_controller_prints_a_line_per_step_and_logs_completions(tmp_pa
     assert err.count("completions") == 2
     md = (tmp_path / "run" / "completions.md").read_text()
     assert md.count("## step") == 2 and "## step 4 " in md
+
+
+class Gone(io.StringIO):
+    """A console whose reader is gone: `run | tee` after the Ctrl-C that ended tee."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_a_console_that_is_gone_is_let_go_and_its_lines_go_to_the_run_folder(tmp_path, terminal):
+    line = Progress(10, tmp_path, stream=Gone(), terminal=terminal, completions_every=1)
+    line.step(step_row(1), [sample(0, 0, 1.0, [0]), sample(0, 1, 0.0, [0])])  # never raises
+    line.refresh()
+    line.step(step_row(2), [sample(1, 0, 1.0, [1])])
+    line.close()
+    assert line.gone
+    if not terminal:  # the bar is not a line to keep; the plain lines are
+        kept = (tmp_path / CONSOLE_LOG).read_text()
+        assert "step 1/10" in kept and "step 2/10" in kept and "step 2 (version 2): completions" in kept
+    assert "reply 1.0" in (tmp_path / "completions.md").read_text()
