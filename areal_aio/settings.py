@@ -261,9 +261,12 @@ class TrainerSettings:
     micro_tokens: int = opt(4096, "Token cap of one micro-batch (dynamic batching): the positions the model computes, padding included; gradients accumulate across them.", ge=16)
     share_prompts: str = opt("auto", "Pack each group into one row, its prompt once and then its completions, each seeing the prompt and its own past (exact; computes the real tokens, no padding to the longest reply; needs sdpa or eager attention): on | off | auto (on for CPU; off for CUDA, where a small model is kernel-launch-bound and the layout is not measured yet).", choices=("auto", "on", "off"))
     grad_clip: float = opt(1.0, "Clip the gradient norm to this; 0 disables.", ge=0)
-    bf16: str = opt("auto", "bf16 autocast for forward/backward (fp32 master weights): on | off | auto (on where the hardware multiplies bf16 natively: a CUDA device that supports it, a CPU with AVX512-BF16 or AMX; off elsewhere, since an AVX2 CPU emulates bf16 and runs it far slower than fp32). true / false mean on / off.", choices=("auto", "on", "off"))
+    bf16: str = opt("auto", "bf16 autocast for forward/backward: the matmuls run in bf16, the weights (fp32 master copy), their gradients and AdamW's two moments stay fp32 (16 bytes a trained parameter): on | off | auto (on where the hardware multiplies bf16 natively: a CUDA device that supports it, a CPU with AVX512-BF16 or AMX; off elsewhere, since an AVX2 CPU emulates bf16 and runs it far slower than fp32). true / false mean on / off. What fits where: docs/big-models.md.", choices=("auto", "on", "off"))
+    activation_checkpointing: bool = opt(False, "Keep only each decoder layer's input during the forward and recompute the layer in the backward (transformers' activation checkpointing, non-reentrant; LoRA too): the activations of a micro-batch shrink from every layer's intermediates to one hidden state per layer, for about 30% more compute per update. For long micro-batches (trainer.micro_tokens) on big models; measured in docs/big-models.md.")
 
 
+BASE_DTYPES = ("float32", "bfloat16", "int8")
+"""lora.base_dtype: how the trainer stores a LoRA run's frozen base (workers/frozen_base.py)."""
 LORA_ALL = "all-linear"
 """lora.targets: every linear layer of the blocks (peft's "all-linear": the output layer left out)."""
 
@@ -296,6 +299,7 @@ class LoraSettings:
     alpha: float = opt(16.0, "The adapter's scale numerator: its update is multiplied by alpha / rank.", gt=0)
     dropout: float = opt(0.0, "Dropout on the adapter's input in the trainer's gradient passes (the proximal, reference and rollout passes run without it, so pi_prox stays a no-grad pass of its own); 0 = off.", ge=0, le=0.9)
     targets: str | list = opt(LORA_ALL, "\"all-linear\" (every linear layer of the blocks; the output layer is never adapted) or a list of module names, e.g. [\"q_proj\", \"v_proj\"]; a name the model lacks is an error naming the model's linear modules.", parse=lora_targets_value)
+    base_dtype: str = opt("float32", "How the trainer stores the frozen base under the adapter: float32 | bfloat16 (half the bytes; embeddings and output layer too) | int8 (a quarter for the blocks' linear layers: weight-only, one scale per output channel; the embeddings and output layer in bfloat16). Each matmul widens its weight to the activations' dtype (fp32, or bf16 under trainer.bf16) and the backward widens it again rather than keeping the wide copy; lora_A / lora_B and AdamW stay fp32. The rollout worker keeps its own base (rollout.dtype): the difference is a behaviour policy apart from the trained one, which decoupled PPO corrects and mismatch_kl reports (docs/big-models.md).", choices=BASE_DTYPES)
     merge: bool = opt(True, "How the rollout worker applies each version: true = merged into its weights, W = W_base + alpha / rank * B A recomputed from a pristine copy of the base each version (no error accumulates; decoding costs what the plain model costs) | false = peft's LoRA layers kept unmerged in the engine (no copy of the base; every decode step pays the adapter's matmuls). Measured: docs/lora.md.")
 
 
@@ -435,6 +439,9 @@ class Settings:
         if self.rollout.kv_on_update == "keep" and not self.rollout.interrupt:
             raise SettingsError("rollout.kv_on_update: keep changes what an interrupt does, and rollout.interrupt "
                                 "is off (run.mode = sync and one_step preset it off: rows finish on the weights they began with)")
+        if self.lora.base_dtype != "float32" and not self.lora.rank:
+            raise SettingsError(f"lora.base_dtype: {self.lora.base_dtype} stores the frozen base of a LoRA "
+                                f"run; with lora.rank = 0 every weight is trained (in float32)")
         if self.lora.rank and importlib.util.find_spec("peft") is None:
             raise SettingsError("lora.rank: LoRA needs the peft package: pip install peft")
 

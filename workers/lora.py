@@ -1,6 +1,7 @@
 """LoRA on both workers, built on peft: the base stays frozen, a version is the adapter alone.
 
-    trainer   base (fp32, frozen) + peft's LoRA layers injected in place (`attach`): the model
+    trainer   base (frozen; fp32, or bf16 / int8 by lora.base_dtype: workers/frozen_base.py)
+              + peft's LoRA layers injected in place (`attach`): the model
               stays its transformers class, so every trainer path (packed rows, the chunked
               head, micro-batches, bf16 autocast) runs unchanged; only lora_A / lora_B have
               requires_grad, so they alone get gradients, AdamW state and the all-reduce
@@ -44,7 +45,7 @@ from areal_aio.store.safetensors_io import (
     unique_state,
     write_safetensors,
 )
-from areal_aio.workers import models
+from areal_aio.workers import frozen_base, models
 from areal_aio.workers.models import BASE_FILE, PEFT_PREFIX, linear_paths, merge_into
 
 ADAPTER = "default"
@@ -190,8 +191,11 @@ def write_merged(model: Any, path: Path, adapter: str | Path | None = None) -> N
         pairs = {n: (m.lora_A[ADAPTER].weight.detach(), m.lora_B[ADAPTER].weight.detach()) for n, m in live.items()}
         scale = next(iter(live.values())).scaling[ADAPTER] if live else 1.0
     weights = {f"{module}.weight": pair for module, pair in pairs.items()}
+    state, narrow = _plain_base(model)
 
     def merged(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name in narrow:  # an int8 base weight, widened as it is written
+            t = frozen_base.plain_weight(narrow[name])
         if name not in weights:
             return t.detach()
         out = torch.empty_like(t)
@@ -199,7 +203,21 @@ def write_merged(model: Any, path: Path, adapter: str | Path | None = None) -> N
             merge_into(out, t.detach(), *weights[name], scale)
         return out
 
-    write_safetensors(path, base_state(model), None, {"format": "pt"}, transform=merged)
+    write_safetensors(path, state, None, {"format": "pt"}, transform=merged)
+
+
+def _plain_base(model: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """base_state as an HF folder holds it: an int8 base weight (lora.base_dtype) stands as an
+    fp32 placeholder on the meta device (no bytes), its scale left out; and those weights'
+    modules by name, for the writer to widen one at a time."""
+    narrow = {f"{name}.weight".replace(".base_layer.", "."): m for name, m in model.named_modules()
+              if getattr(m, frozen_base.SCALE, None) is not None}
+    state = {}
+    for name, t in base_state(model).items():
+        if name.endswith("." + frozen_base.SCALE):
+            continue
+        state[name] = torch.empty(t.shape, dtype=torch.float32, device="meta") if name in narrow else t
+    return state, narrow
 
 
 def save_adapter(model: Any, cfg: LoraSettings, folder: Path, base: dict[str, Any],

@@ -199,7 +199,8 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32", device: str 
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         finally:
             torch.random.set_rng_state(rng_state)
-        model = model.to(torch_dtype)
+        for p in model.parameters():  # the buffers (RoPE frequencies) stay fp32, as from_pretrained keeps them
+            p.data = p.data.to(torch_dtype)
     else:
         local = prepare(spec)
         model = AutoModelForCausalLM.from_pretrained(str(local) if local else spec, dtype=torch_dtype)
@@ -218,6 +219,31 @@ def random_config(spec: str, tok: Any) -> Any:
         return LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                            pad_token_id=tok.pad_token_id, **TINY_CONFIG)
     return AutoConfig.from_pretrained(hf_folder(spec))
+
+
+def checkpoint_layers(model: Any) -> int:
+    """Activation checkpointing on `model`'s decoder layers (trainer.activation_checkpointing):
+    each keeps its input alone in a gradient pass and runs again in the backward (torch's
+    non-reentrant checkpoint, which needs no input that requires grad: a LoRA run's frozen
+    embedding is fine). Returns the layers checkpointed.
+
+    transformers checkpoints a layer only in training mode; the trainer keeps the model in eval
+    mode (no dropout), so the layers alone are flagged as training: dropout lives in their
+    submodules, which stay in eval mode."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers before 5.2x
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    if not layers:
+        raise ValueError(f"trainer.activation_checkpointing: {type(model).__name__} has no layer "
+                         f"transformers can checkpoint")
+    for layer in layers:
+        layer.training = True  # this module's flag only: not .train(), which recurses
+    return len(layers)
 
 
 def linear_paths(model: Any) -> list[str]:

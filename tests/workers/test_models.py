@@ -87,3 +87,12 @@ def test_an_episode_built_incrementally_matches_the_template_of_the_whole_chat_b
     assert split != reply2 and tok.decode(split) == tok.decode(reply2)
     resampled = models.encode_prompt(tok, chat[0]["content"]) + reply1 + turn + split
     assert resampled + ids("\n") != ids(whole) and tok.decode(resampled + ids("\n")) == whole
+
+
+def test_random_weights_in_bf16_keep_fp32_rope_frequencies():
+    """As from_pretrained keeps them: a bf16 random shape (a trainer's bf16-loaded LoRA base, a bf16
+    rollout) rotates positions with the frequencies the fp32 model uses."""
+    model, _ = models.load_model(models.TINY, seed=3, dtype="bfloat16")
+    wide, _ = models.load_model(models.TINY, seed=3)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert all(torch.equal(b, w) for b, w in zip(model.buffers(), wide.buffers(), strict=True))
