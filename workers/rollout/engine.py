@@ -514,24 +514,36 @@ class Engine:
         keep, done = [], []
         rows = b.used() if isinstance(b, Slots) else range(len(b.seqs))  # its row in what was drawn
         for i, (seq, row) in enumerate(zip(b.seqs, rows, strict=True)):
-            finish = None
-            for token, logprob in zip(tokens[row], logprobs[row], strict=True):
-                seq.completion.append(token)
-                seq.logprobs.append(logprob)
-                seq.versions.append(self.version)
-                if token in self.eos or (seq.req.stop and stop_in_tail(self.tokenizer, seq.completion,
-                                                                       seq.req.stop)):
-                    finish = "stop"
-                elif len(seq.completion) >= seq.req.max_new_tokens:
-                    finish = "length"
-                if finish:
-                    break
+            finish = self._append(seq, tokens[row], logprobs[row])
             if finish:
                 done.append(self._completion(seq, finish))
             else:
                 keep.append(i)
         b.keep(keep)
         return done
+
+    def _append(self, seq: _Seq, tokens: list[int], logprobs: list[float]) -> str | None:
+        """Append what `seq` drew up to where it ends; its finish ("stop": an EOS or a stop
+        string, kept; "length": its limit) or None. A row without EOS among its tokens and
+        without stop strings takes them in one piece (most rows at most looks: the host's time
+        per look then grows with the rows, not with rows x steps)."""
+        room = seq.req.max_new_tokens - len(seq.completion)
+        if not seq.req.stop and self.eos.isdisjoint(tokens[:room]):
+            take = min(len(tokens), room)
+            seq.completion.extend(tokens[:take])
+            seq.logprobs.extend(logprobs[:take])
+            seq.versions.extend([self.version] * take)
+            return "length" if take == room else None
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            seq.completion.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(self.version)
+            if token in self.eos or (seq.req.stop and stop_in_tail(self.tokenizer, seq.completion,
+                                                                   seq.req.stop)):
+                return "stop"
+            if len(seq.completion) >= seq.req.max_new_tokens:
+                return "length"
+        return None
 
     def _sample(self, logits: torch.Tensor, b: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(token [B], its log-prob [B] under the distribution it was drawn from).
