@@ -122,16 +122,22 @@ def _command(args: argparse.Namespace) -> int:
 
 
 def _resume(run_dir: str, settings_path: str | None, overrides: list[str], out: str | None) -> int:
-    """`run --resume`: the checkpoint's settings plus resumable overrides (CheckpointError else)."""
+    """`run --resume`: the checkpoint's settings plus resumable overrides (CheckpointError else).
+    A checkpoint the trainer refuses (an adapter on another base) is an input error: exit 2,
+    and the run folder is put back as it was (keeping.FolderState)."""
     from areal_aio.store.checkpoint import latest, resume_settings
 
     if settings_path is not None or out is not None:
         raise CheckpointError("--resume takes its settings and folder from the run; "
                               "give no settings file or --out")
+    from areal_aio.control.keeping import FolderState
+
     ckpt = latest(Path(run_dir))
     settings = resume_settings(ckpt, overrides)
-    preflight(settings, ckpt.path.parent.parent, out_key="--resume")  # its rows are read again by the run
-    return _run(settings, None, ckpt)
+    folder = ckpt.path.parent.parent
+    preflight(settings, folder, out_key="--resume")  # its rows are read again by the run
+    counted = {f"{name}.jsonl": size for name, size in ckpt.state["rows"].items()}
+    return _run(settings, None, ckpt, before=FolderState.of(folder, counted))
 
 
 def _eval(model: str, settings_path: str | None, overrides: list[str], out: str | None) -> int:
@@ -153,10 +159,12 @@ def _eval(model: str, settings_path: str | None, overrides: list[str], out: str 
     return 0
 
 
-def _run(settings, out: str | None, resume=None, rows=None) -> int:
-    """Train; `rows`: the task file's rows preflight read (handed on, not read again)."""
+def _run(settings, out: str | None, resume=None, rows=None, before=None) -> int:
+    """Train; `rows`: the task file's rows preflight read (handed on, not read again); `before`:
+    a resumed run folder's keeping.FolderState, put back if the trainer refuses the checkpoint."""
     from areal_aio.app.trackers import run_tracked
     from areal_aio.control.controller import Orchestrator
+    from areal_aio.control.keeping import refused_resume
     from areal_aio.control.sources import eval_tasks, training_tasks
 
     given = {} if rows is None else {"tasks": training_tasks(settings, rows=rows),
@@ -168,7 +176,12 @@ def _run(settings, out: str | None, resume=None, rows=None) -> int:
         say(f"error: {exc}")
         return 2
     except BaseException as exc:  # noqa: BLE001 - exit_code re-raises what is not a run's end
-        return exit_code(exc, orchestrator.folder)
+        refusal = refused_resume(exc) if before is not None else None
+        if refusal is None:
+            return exit_code(exc, orchestrator.folder)
+        before.restore()
+        say(f"error: cannot resume {orchestrator.folder}: {refusal}")
+        return 2
     say("")  # the progress line ends
     say(ending(summary, orchestrator.folder), sys.stdout, orchestrator.folder)
     return 0

@@ -36,7 +36,7 @@ import orjson
 
 from areal_aio.control.progress import say
 from areal_aio.control.runlog import RunLog
-from areal_aio.control.stats import Counts
+from areal_aio.control.stats import Counts, worker_failure
 from areal_aio.control.trainer_link import TrainerLink
 from areal_aio.fleet.client import WorkerFailed
 from areal_aio.rewards.pool import RewardPoolBroken
@@ -121,6 +121,61 @@ def resume_from(resume: str | Path | checkpoint.Checkpoint | None, settings: Set
     ckpt = resume if isinstance(resume, checkpoint.Checkpoint) else checkpoint.latest(Path(resume))
     checkpoint.check_compatible(ckpt, settings)
     return ckpt
+
+
+RESUME_REFUSED = "resume: "
+"""How the trainer's refusal of a checkpoint reads, after its exception type
+(workers/trainer/checkpoint.py load_state: an adapter on another base, LoRA against full weights)."""
+WHOLE_BYTES = 1 << 20
+"""FolderState keeps a file under this size whole (summary.json, settings.toml, .lock); a larger
+one is only ever appended to before the workers are up (events.jsonl, the workers' logs)."""
+
+
+def refused_resume(error: BaseException) -> str | None:
+    """The trainer's refusal of the checkpoint it was to resume from, in one line, if that is what
+    ended the run (an input error: the run never started)."""
+    failure = worker_failure(error)
+    if not isinstance(failure, WorkerFailed) or failure.role != "trainer":
+        return None
+    why = failure.message.strip().splitlines()[0].partition(": ")[2] if failure.message.strip() else ""
+    return why.removeprefix(RESUME_REFUSED) if why.startswith(RESUME_REFUSED) else None
+
+
+@dataclass(frozen=True, slots=True)
+class FolderState:
+    """The files at the top of a run folder as a resume found them, to put back when the trainer
+    refuses the checkpoint: by then the run had started writing (its lock, settings, rows cut
+    back to the checkpoint, events, workers' logs, a failed summary), and a refused resume must
+    leave the run it refused byte for byte as it was. Sub-folders (checkpoints, model/) are not
+    written before the workers are up. Each file is kept from an offset on: the rows the
+    checkpoint counted (`keep`) and a large file's bytes so far stay where they are."""
+
+    folder: Path
+    tails: dict[str, tuple[int, bytes]]  # file name -> (offset, its bytes from there)
+
+    @classmethod
+    def of(cls, folder: Path, keep: dict[str, int]) -> FolderState:
+        tails = {}
+        for path in folder.iterdir():
+            if path.is_file() and not path.is_symlink():
+                size = path.stat().st_size
+                start = min(keep.get(path.name, 0 if size < WHOLE_BYTES else size), size)
+                with open(path, "rb") as fh:
+                    fh.seek(start)
+                    tails[path.name] = (start, fh.read())
+        return cls(folder, tails)
+
+    def restore(self) -> None:
+        """Every file as it was; a file the resume made is removed."""
+        for path in self.folder.iterdir():
+            if path.is_file() and path.name not in self.tails:
+                path.unlink()
+        for name, (start, data) in self.tails.items():
+            path = self.folder / name
+            with open(path, "r+b" if path.exists() else "wb") as fh:
+                fh.seek(start)
+                fh.write(data)
+                fh.truncate()
 
 
 class Keeper:
