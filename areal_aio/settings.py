@@ -348,6 +348,24 @@ class RaySettings:
     ship_weights: str = opt("auto", "How a rollout actor gets each weight version: auto (one on the controller's node reads the weight store, one on another node gets the file through Ray's object store into its own node's /dev/shm) | always (every rollout actor through the object store).", choices=("auto", "always"))
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+"""endpoint.host values that serve this machine only (no key needed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSettings:
+    """The OpenAI-compatible chat endpoint an episode run serves from the controller's loop
+    (areal_aio/control/endpoint.py, docs/agents.md)."""
+
+    enabled: bool = opt(True, "Serve the endpoint during an episode run (task.episode set): each episode gets its own base URL, model.base_url, and model.openai() a client bound to it. false: no server; model.base_url stays None.")
+    host: str = opt("127.0.0.1", "Address the endpoint listens on. Anything but a loopback address serves other hosts and needs a key (key_env).")
+    port: int = opt(0, "TCP port; 0 = a free port chosen at start.", ge=0, le=65535)
+    key_env: str = opt("", "Name of an environment variable holding the API key clients must send (Authorization: Bearer <key>); \"\" = no key (only allowed on a loopback host). The key itself never enters settings or the run folder.")
+    model_name: str = opt("policy", "The model id the endpoint serves (GET /v1/models); a request naming another model gets 404.")
+    max_body_bytes: int = opt(1 << 20, "Largest request body accepted; past it 413.", ge=1024)
+    max_concurrent: int = opt(4, "Requests of one episode in flight or waiting at once (they are answered one after another, in order); past it 429.", ge=1)
+
+
 SECTIONS: dict[str, type] = {
     "run": RunSettings,
     "model": ModelSettings,
@@ -359,6 +377,7 @@ SECTIONS: dict[str, type] = {
     "sft": SftSettings,
     "process": ProcessSettings,
     "ray": RaySettings,
+    "endpoint": EndpointSettings,
 }
 
 
@@ -374,6 +393,7 @@ class Settings:
     sft: SftSettings = field(default_factory=SftSettings)
     process: ProcessSettings = field(default_factory=ProcessSettings)
     ray: RaySettings = field(default_factory=RaySettings)
+    endpoint: EndpointSettings = field(default_factory=EndpointSettings)
 
     def __post_init__(self) -> None:
         if self.trainer.batch_size % self.rollout.group_size:
@@ -414,6 +434,9 @@ class Settings:
                                 "(with batch advantages a group whose rewards are equal still has a gradient)")
         if self.task.eval_seed == self.run.seed:
             raise SettingsError("task.eval_seed: must differ from run.seed (the eval set is held out)")
+        if not self.endpoint.key_env and self.endpoint.host not in LOOPBACK_HOSTS:
+            raise SettingsError(f"endpoint.key_env: endpoint.host = {self.endpoint.host!r} serves other hosts, "
+                                f"which needs a key: name the environment variable that holds it")
         if (problem := report_to_error(self.run.report_to)) is not None:
             raise SettingsError(f"run.report_to: {problem}")
         for key, dev in (("rollout.device", self.rollout.device), ("trainer.device", self.trainer.device)):

@@ -69,14 +69,14 @@ from pathlib import Path
 from typing import Any
 
 from areal_aio import wire
-from areal_aio.control import episodes, evaluation, keeping, stats
+from areal_aio.control import endpoint, episodes, evaluation, keeping, stats
 from areal_aio.control.events import EventStream
 from areal_aio.control.groups import Groups
 from areal_aio.control.progress import Progress
 from areal_aio.control.replay import Group, ReplayBuffer
 from areal_aio.control.runlog import RunLog
 from areal_aio.control.sources import eval_tasks, read_tasks, training_tasks
-from areal_aio.control.staleness import Admission, staleness
+from areal_aio.control.staleness import Admission, is_stale, staleness
 from areal_aio.control.trainer_link import TrainerLink
 from areal_aio.fleet import placement
 from areal_aio.fleet.busy import Busy
@@ -289,7 +289,8 @@ class Orchestrator:
                                  load_s=round(r.load_s, 3), device=r.device)
 
     async def _supervise(self) -> None:
-        async with asyncio.TaskGroup() as tg:
+        # an episode run serves its OpenAI-compatible endpoint while its tasks run (endpoint.py)
+        async with endpoint.serving(self.settings.endpoint, self._episode is not None), asyncio.TaskGroup() as tg:
             self._tg = tg
             self._dispatcher = tg.create_task(self._dispatch(), name="dispatch")
             helpers = [self._dispatcher] + [tg.create_task(coro, name=name) for name, coro in (
@@ -451,9 +452,10 @@ class Orchestrator:
     async def _train_step(self, batch: list[Group], wait_s: float) -> None:
         samples = [s for g in batch for s in g.samples]
         stale = [staleness(self.version, s.oldest_version) for s in samples]
-        train_samples = [wire.TrainSample(s.completion.prompt_ids, s.completion.completion_ids,
-                                          s.completion.logprobs, s.completion.versions,
-                                          s.score.reward, s.group_id, s.loss_mask) for s in samples]
+        fresh = lambda c: not is_stale(self.version, c.oldest_version, self.eta)  # noqa: E731
+        train_samples = [wire.TrainSample(c.prompt_ids, c.completion_ids, c.logprobs, c.versions,
+                                          s.score.reward, s.group_id, mask)
+                         for s in samples for c, mask in episodes.sequences(s.completion, s.loss_mask, s.model, fresh)]
         step = self.step + 1
         # committed by the link (self._commit) before it returns; a stop keeps it in flight
         trained = await self.link.train(wire.Train(step, self.version, train_samples),

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Callable
 
 from areal_aio import wire
+from areal_aio.control import endpoint
 from areal_aio.rewards.scoring import FAILED, Score, as_score, import_reward
 from areal_aio.settings import Settings, SettingsError
 from areal_aio.tasks.episode import Bounds, Episode, Model, ReplyRequest
 from areal_aio.tasks.task import Task
 
 __all__ = ["CALCULATOR", "KEY", "Bounds", "Episode", "Model", "NoReply", "ReplyRequest", "episode_spec",
-           "load_episode", "name_of", "no_reply", "play", "why_failed"]
+           "load_episode", "name_of", "no_reply", "play", "sequences", "why_failed"]
 
 KEY = "task.episode"
 CALCULATOR = "areal_aio.tasks.calculator:episode"
@@ -61,7 +63,8 @@ async def play(episode: Episode, task: Task, model: Model, timeout_s: float) -> 
     held-out eval both play episodes here."""
     try:
         async with asyncio.timeout(timeout_s):
-            result = await episode(task, model)
+            with endpoint.served(model):  # its base URL, while it plays (endpoint.enabled)
+                result = await episode(task, model)
         if model.transcript.last is None:
             raise NoReply("ended without a reply (it never awaited model.reply())")
         return (None if result is None else as_score(result)), None
@@ -76,6 +79,17 @@ def no_reply(request_id: str, prompt_ids: list[int] | None = None) -> wire.Compl
     can sit in its group's batch and count in the group's advantages)."""
     return wire.Completion(request_id=request_id, prompt_ids=list(prompt_ids or []), completion_ids=[],
                            logprobs=[], versions=[], text="", finish="abort", interrupts=0, gen_s=0.0)
+
+
+def sequences(completion: wire.Completion, mask: list[int] | None, model: Model | None,
+              fresh: Callable[[wire.Completion], bool]) -> list[tuple[wire.Completion, list[int] | None]]:
+    """What a sample trains: its (completion, loss mask), after those of the sequences its
+    episode left when a call through the endpoint rewrote its history (Model.earlier), each its
+    own sample with the episode's reward and group: GRPO's mean and std are then over the
+    group's sequences, so an episode that branched k times counts k times in them. An earlier
+    sequence whose oldest token is not `fresh` (staleness past eta now) is left out."""
+    earlier = [] if model is None else [(t.completion(), t.mask) for t in model.earlier]
+    return [*((c, m) for c, m in earlier if fresh(c)), (completion, mask)]
 
 
 def name_of(episode: Episode) -> str:

@@ -45,6 +45,7 @@ completion_ids never hold more than episode_tokens ids, whatever a turn's text w
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -76,13 +77,16 @@ class ReplyRequest:
     max_new_tokens: int
     max_context: int
     stop: list[str] | None
+    messages: list[dict[str, str]] | None = None  # a first reply's own chat (Model.start), not the task's
 
     def generate(self, request_id: str, task: Task, temperature: float, top_p: float,
                  seed: int | None = None) -> wire.Generate:
         """The Generate that asks for it: the first reply templates the task (its chat, if it is
-        one); a later one continues from the ids."""
-        return wire.Generate(request_id, task.text, self.max_new_tokens, temperature, top_p, seed,
-                             task.messages if self.context_ids is None else None,
+        one) or the chat Model.start gave; a later one continues from the ids."""
+        chat = self.messages if self.messages is not None else task.messages
+        text = task.text if self.messages is None else self.messages[-1]["content"]
+        return wire.Generate(request_id, text, self.max_new_tokens, temperature, top_p, seed,
+                             chat if self.context_ids is None else None,
                              context_ids=self.context_ids, append=self.append, max_context=self.max_context,
                              stop=self.stop)
 
@@ -171,14 +175,72 @@ class Transcript:
 
 
 class Model:
-    """What an episode talks to: the policy, one reply at a time, and the turns between replies."""
+    """What an episode talks to: the policy, one reply at a time, and the turns between replies.
+
+    Served by the OpenAI-compatible endpoint (control/endpoint.py, docs/agents.md) while its
+    episode plays: `base_url` is the episode's own URL there and `openai()` a client bound to it;
+    both None / an error where no endpoint runs (endpoint.enabled = false). A call through the
+    endpoint is a reply of this Model (tasks/chat.py); a call that rewrites the conversation
+    starts a new sequence (`start`), and every sequence trains as a sample (`sequences`)."""
 
     def __init__(self, bounds: Bounds, request: Request) -> None:
         self._bounds = bounds
         self._request = request
         self._pending: list[tuple[dict[str, Any], str]] = []  # (record row, text) of turns added since the last reply
+        self._chat: list[dict[str, str]] | None = None  # the next first reply's own chat (start)
         self.transcript = Transcript()
+        self.earlier: list[Transcript] = []  # sequences the episode left (start), each trained
         self.replies = 0
+        self.base_url: str | None = None  # set by the endpoint while the episode is served
+        self.api_key: str = ""  # the key that endpoint wants ("" = none)
+        self.model_name: str = ""  # the model id it serves (endpoint.model_name)
+        self._posted: asyncio.Future[float] | None = None  # post_reward's value
+
+    @property
+    def sequences(self) -> list[Transcript]:
+        """Every sequence of the episode with a reply, the current one last: each trains as its
+        own sample with the episode's reward."""
+        return [t for t in (*self.earlier, self.transcript) if t.last is not None]
+
+    def openai(self, **kwargs: Any) -> Any:
+        """An `openai.AsyncOpenAI` client bound to this episode's base URL (pip install openai);
+        `kwargs` go to its constructor. RuntimeError where no endpoint serves the episode."""
+        if self.base_url is None:
+            raise RuntimeError("no endpoint serves this episode: it runs with endpoint.enabled = true "
+                               "in an episode run (task.episode, or Orchestrator(episode=...))")
+        import openai  # only episodes that talk through the endpoint need the package
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "unused", **kwargs)
+
+    def post_reward(self, reward: float) -> bool:
+        """Report the episode's reward from outside it (the endpoint's POST <episode>/reward, for
+        an agent in another process); False if one was posted already."""
+        if self._posted is None:
+            self._posted = asyncio.get_running_loop().create_future()
+        if self._posted.done():
+            return False
+        self._posted.set_result(reward)
+        return True
+
+    async def posted_reward(self) -> float:
+        """The reward post_reward reports, once it does: an episode that hands its base_url to
+        an agent elsewhere returns `await model.posted_reward()`."""
+        if self._posted is None:
+            self._posted = asyncio.get_running_loop().create_future()
+        return await self._posted
+
+    def start(self, messages: list[dict[str, str]]) -> None:
+        """Begin a new sequence from a chat of {role, content} turns (the last one's reply is the
+        next): the next reply templates it instead of the task's prompt. The sequence so far, if
+        it has a reply, is kept in `earlier` and still trained; turns added since it are dropped.
+        Replies count over the whole episode, tokens (task.episode_tokens) per sequence."""
+        if not messages or not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                                   for m in messages):
+            raise TypeError("start(messages) takes a non-empty list of {role, content} strings")
+        if self.transcript.last is not None:
+            self.earlier.append(self.transcript)
+        self.transcript, self._pending = Transcript(), []
+        self._chat = [{"role": m["role"], "content": m["content"]} for m in messages]
 
     @property
     def replies_left(self) -> int:
@@ -193,7 +255,7 @@ class Model:
     def add_turn(self, role: str, text: str) -> None:
         """A turn after the last reply (a tool's answer: role "tool"; an environment's: "user"),
         sent with the next reply; it is in the context, never trained."""
-        if not self.replies:
+        if self.transcript.last is None:
             raise ValueError("add_turn before the first reply: the task's prompt is the first turn")
         if not isinstance(role, str) or not role or not isinstance(text, str):
             raise TypeError(f"add_turn(role, text) takes two strings, got {role!r}, {text!r}")
@@ -215,13 +277,19 @@ class Model:
         if self.tokens_left <= 0:
             raise EpisodeLimit(f"a reply past task.episode_tokens = {b.tokens}")
         limit = min(b.max_new_tokens, self.tokens_left, max_new_tokens or b.max_new_tokens)
-        first = not self.replies
+        first = self.transcript.last is None
         sent = None if first else self.transcript.context_ids
         room = 0 if first else len(self.transcript.prompt_ids) + b.tokens
         added, self._pending = self._pending, []
         turns = self._turns_to_send(added)
         left = self.tokens_left
-        msg = await self._request(ReplyRequest(sent, turns, limit, room, list(stop) if stop else None))
+        ask = ReplyRequest(sent, turns, limit, room, list(stop) if stop else None, self._chat if first else None)
+        try:
+            msg = await self._request(ask)
+        except asyncio.CancelledError:  # the reply is not wanted: its turns never joined the sequence
+            rows = [row for row, _ in added]
+            self.transcript.turns = [t for t in self.transcript.turns if not any(t is r for r in rows)]
+            raise
         self.replies += 1
         self.transcript.add_reply(msg, sent, [row for row, _ in added], left)
         reply = self.transcript.last

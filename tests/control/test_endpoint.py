@@ -1,0 +1,266 @@
+"""The OpenAI-compatible endpoint (control/endpoint.py) through the real `openai` client: bad
+input and load answered with OpenAI's error JSON and a 4xx, never a stalled or crashed loop; the
+calculator episode written with openai tool calling, trained against the fake workers, its
+trained tokens those of the same episode through model.reply(); the slow test trains it on the
+real workers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import httpx
+import openai
+import pytest
+
+from areal_aio import wire
+from areal_aio.control import endpoint
+from areal_aio.control.endpoint import Endpoint
+from areal_aio.fleet.fakes import FakeRollout, FakeTrainer, prompt_ids
+from areal_aio.settings import EndpointSettings, SettingsError
+from areal_aio.tasks import calculator_openai, chat
+from areal_aio.tasks.calculator import calculate
+from areal_aio.tasks.episode import Bounds, Model
+from areal_aio.tasks.task import Task
+from tests.conftest import make_settings, orchestrator
+
+USER = [{"role": "user", "content": "What is 2 + 3?"}]
+TASK = Task("t0", "What is 2 + 3?", "5")
+
+
+class Gate:
+    """A Model's request that answers "ok" once `open` is set (each Generate kept in `asks`,
+    each cancelled one counted in `cancelled`)."""
+
+    def __init__(self, open_: bool = True) -> None:
+        self.open = asyncio.Event()
+        if open_:
+            self.open.set()
+        self.asks: list[wire.Generate] = []
+        self.cancelled = 0
+        self.started = asyncio.Event()
+
+    async def __call__(self, ask) -> wire.Completion:
+        msg = ask.generate(f"r{len(self.asks)}", TASK, 1.0, 1.0)
+        self.asks.append(msg)
+        self.started.set()
+        try:
+            await self.open.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return wire.Completion(msg.request_id, prompt_ids(msg), [1, 2], [-0.5, -0.5], [0, 0], "ok", "stop", 0, 0.0)
+
+
+@pytest.fixture
+async def served():
+    """A started endpoint (small limits) and one model it serves: (endpoint, model, gate, url)."""
+    ep = Endpoint(EndpointSettings(max_body_bytes=4096, max_concurrent=2))
+    await ep.start()
+    gate = Gate()
+    model = Model(Bounds(4, 1000, 60.0, 64), gate)
+    with ep.episode(model):
+        yield ep, model, gate, model.base_url
+    await ep.stop()
+
+
+def client(url: str, **kw) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, **kw)
+
+
+async def test_a_call_through_the_openai_client_is_a_reply(served):
+    ep, model, gate, url = served
+    async with client(url) as c:
+        r = await c.chat.completions.create(model="policy", messages=USER)
+        models = await c.models.list()
+    assert r.choices[0].message.content == "ok" and r.choices[0].finish_reason == "stop"
+    assert model.replies == 1 and gate.asks[0].messages == USER
+    assert [m.id for m in models.data] == ["policy"] and ep.calls == 1
+
+
+async def test_bad_input_gets_openai_errors_and_the_endpoint_keeps_serving(served):
+    ep, model, gate, url = served
+    async with client(url) as c, httpx.AsyncClient() as raw:
+        with pytest.raises(openai.NotFoundError) as err:
+            await c.chat.completions.create(model="gpt-4o", messages=USER)
+        assert err.value.code == "model_not_found"
+        with pytest.raises(openai.BadRequestError, match="stream"):
+            await c.chat.completions.create(model="policy", messages=USER, stream=True)
+        bad = await raw.post(f"{url}/chat/completions", content=b"{not json")
+        assert bad.status_code == 400 and bad.json()["error"]["message"] == "the body is not valid JSON"
+        big = await raw.post(f"{url}/chat/completions", content=b" " * 5000)
+        assert big.status_code == 413 and "max_body_bytes" in big.json()["error"]["message"]
+        wrong = url.replace(url.split("/")[-2], "not-an-episode")
+        with pytest.raises(openai.NotFoundError) as err:
+            await client(wrong).chat.completions.create(model="policy", messages=USER)
+        assert err.value.code == "episode_not_found"
+        r = await c.chat.completions.create(model="policy", messages=USER)  # still serving
+    assert r.choices[0].message.content == "ok" and model.replies == 1
+    assert ep.errors == {404: 2, 400: 2, 413: 1}
+
+
+async def test_too_many_concurrent_calls_get_429_and_the_rest_are_answered_in_order(served):
+    ep, model, gate, url = served
+    gate.open.clear()
+    async with client(url) as c:
+        calls = [asyncio.create_task(c.chat.completions.create(model="policy", messages=USER)) for _ in range(2)]
+        await gate.started.wait()
+        await asyncio.sleep(0.05)  # the second waits on the episode's lock
+        with pytest.raises(openai.RateLimitError):
+            await c.chat.completions.create(model="policy", messages=USER)
+        gate.open.set()
+        done = await asyncio.gather(*calls)
+    assert [d.choices[0].message.content for d in done] == ["ok", "ok"] and model.replies == 2
+    assert gate.asks[1].context_ids is None and len(model.sequences) == 2  # the same question again: a branch
+
+
+async def test_a_client_that_disconnects_aborts_its_reply_and_the_episode_goes_on(served):
+    ep, model, gate, url = served
+    gate.open.clear()
+    async with client(url, timeout=0.3) as c:
+        with pytest.raises(openai.APITimeoutError):
+            await c.chat.completions.create(model="policy", messages=USER)
+        for _ in range(100):
+            if gate.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert gate.cancelled == 1 and model.replies == 0 and model.transcript.turns == []
+        gate.open.set()
+        r = await c.chat.completions.create(model="policy", messages=USER)
+    assert r.choices[0].message.content == "ok" and model.replies == 1
+
+
+async def test_calls_after_the_episode_ended_get_410_and_one_in_flight_ends_with_it():
+    ep = Endpoint(EndpointSettings())
+    await ep.start()
+    gate = Gate(open_=False)
+    model = Model(Bounds(4, 1000, 60.0, 64), gate)
+    try:
+        async with client("http://unused") as c:
+            with ep.episode(model):
+                c.base_url = model.base_url
+                call = asyncio.create_task(c.chat.completions.create(model="policy", messages=USER))
+                await gate.started.wait()
+            with pytest.raises(openai.APIStatusError) as err:
+                await call
+            assert (err.value.status_code, err.value.code, gate.cancelled) == (410, "episode_ended", 1)
+            with pytest.raises(openai.APIStatusError) as err:
+                await c.chat.completions.create(model="policy", messages=USER)
+            assert (err.value.status_code, err.value.code) == (410, "episode_ended")
+    finally:
+        await ep.stop()
+
+
+async def test_a_key_is_required_where_set_and_other_hosts_need_one(monkeypatch):
+    with pytest.raises(SettingsError, match="endpoint.key_env"):
+        make_settings(**{"endpoint.host": "0.0.0.0"})
+    monkeypatch.setenv("TEST_ENDPOINT_KEY", "s3cret")
+    settings = EndpointSettings(key_env="TEST_ENDPOINT_KEY")
+    ep = Endpoint(settings, endpoint.key_of(settings))
+    await ep.start()
+    model = Model(Bounds(4, 1000, 60.0, 64), Gate())
+    try:
+        with ep.episode(model):
+            with pytest.raises(openai.AuthenticationError):
+                await client(model.base_url).chat.completions.create(model="policy", messages=USER)
+            async with model.openai(max_retries=0) as c:  # the episode's own client carries the key
+                r = await c.chat.completions.create(model="policy", messages=USER)
+            assert r.choices[0].message.content == "ok"
+    finally:
+        await ep.stop()
+
+
+async def test_an_agent_elsewhere_posts_the_reward(served):
+    ep, model, gate, url = served
+    root = url.removesuffix("/v1")
+    async with httpx.AsyncClient() as raw:
+        waiting = asyncio.create_task(model.posted_reward())
+        assert (await raw.post(f"{root}/reward", json={"reward": "high"})).status_code == 400
+        assert (await raw.post(f"{root}/reward", json={"reward": 0.75})).status_code == 200
+        assert (await raw.post(f"{root}/reward", json={"reward": 1})).status_code == 409
+    assert await waiting == 0.75
+
+
+# ---------------------------------------------------------------------- trained end to end (fakes)
+
+
+def tool_call_policy(prompt: str, version: int) -> str:
+    """A fake policy that calls the calculator on its task's two terms, in the <tool_call> format."""
+    a, b = (int(x) for x in prompt.split("Calculate ")[1].split(".")[0].split(" + "))
+    call = {"name": "calculator", "arguments": {"expression": f"{a} + {b}"}}
+    return f"<tool_call>{json.dumps(call)}</tool_call>"
+
+
+def answer_tool_value(msg: wire.Generate, version: int) -> str:
+    return f"<answer>{msg.append[-1]['content']}</answer>"
+
+
+async def same_through_model_reply(task: Task, model: Model) -> None:
+    """calculator_openai.episode written against model.reply() / model.add_turn(): the chat
+    the endpoint renders (tools in the system message), each call answered as a tool turn."""
+    request = chat.ChatRequest.parse({"model": "policy", "tools": calculator_openai.TOOLS, "messages": [
+        {"role": "system", "content": calculator_openai.INSTRUCTION}, {"role": "user", "content": task.text}]},
+        "policy")
+    model.start(chat.chat_of(request))
+    text = await model.reply()
+    while (calls := chat.parse_tool_calls(text, {"calculator"}, "c")[1]) and model.replies_left:
+        for call in calls:
+            model.add_turn("tool", calculate(json.loads(call["function"]["arguments"])["expression"]))
+        text = await model.reply()
+
+
+async def trained(tmp_path, episode) -> tuple[dict, list[wire.TrainSample], Endpoint | None]:
+    trainer = FakeTrainer()
+    settings = make_settings("sync", **{"run.max_steps": 2, "task.eval_every": 100})
+    orch = orchestrator(tmp_path, settings, FakeRollout(policy=tool_call_policy, continuation=answer_tool_value,
+                                                        tokens=6), trainer, episode=episode)
+    seen = []
+    play = endpoint.Endpoint.episode
+
+    def spy(self, model):
+        seen.append(self)
+        return play(self, model)
+
+    endpoint.Endpoint.episode = spy
+    try:
+        summary = await orch.run()
+    finally:
+        endpoint.Endpoint.episode = play
+    return summary, [s for b in trainer.batches for s in b.samples], (seen[0] if seen else None)
+
+
+async def test_the_openai_calculator_trains_and_its_tokens_are_those_of_model_reply(tmp_path):
+    summary, samples, ep = await trained(tmp_path / "a", calculator_openai.episode)
+    assert summary["steps"] == 2 and summary["episode_failures"] == 0 and not ep.errors
+    assert all(s.reward == pytest.approx(1.2) for s in samples)  # tagged and correct: the tool's value
+    for s in samples:  # reply | tool turn | reply: the turn in the context, out of the loss
+        mask = s.loss_mask
+        assert mask[0] == 1 and 0 in mask and mask[-1] == 1
+    _, direct, _ = await trained(tmp_path / "b", same_through_model_reply)
+    fields = ("prompt_ids", "completion_ids", "logprobs", "versions", "loss_mask", "reward", "group")
+    assert [[getattr(s, f) for f in fields] for s in samples] == [[getattr(s, f) for f in fields] for s in direct]
+
+
+async def test_an_agent_that_rewrites_its_history_trains_each_sequence(tmp_path):
+    """Two sequences in one episode: both are trained, with the episode's reward."""
+
+    async def branching(task: Task, model: Model) -> float:
+        async with model.openai(max_retries=0) as c:
+            first = [{"role": "user", "content": task.text}]
+            await c.chat.completions.create(model=model.model_name, messages=first)
+            await c.chat.completions.create(model=model.model_name, messages=[
+                {"role": "system", "content": "Again."}, *first])
+        return 1.0
+
+    summary, samples, _ = await trained(tmp_path, branching)
+    assert summary["episode_failures"] == 0
+    settings = make_settings("sync")
+    per_step = settings.trainer.batch_size * 2  # each episode trains two samples
+    assert len(samples) == 2 * per_step and all(s.reward == 1.0 for s in samples)
+    assert {len(s.loss_mask) for s in samples} == {6} and all(sum(s.loss_mask) == 6 for s in samples)
+
+
+def test_the_endpoint_settings_are_documented():
+    names = {f.name for f in dataclasses.fields(EndpointSettings)}
+    assert {"host", "port", "key_env", "max_body_bytes", "max_concurrent", "model_name", "enabled"} <= names
