@@ -16,14 +16,16 @@ import pytest
 
 from areal_aio import wire
 from areal_aio.control import endpoint
+from areal_aio.control.controller import Orchestrator
 from areal_aio.control.endpoint import Endpoint
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer, prompt_ids
-from areal_aio.settings import EndpointSettings, SettingsError
+from areal_aio.settings import EndpointSettings, SettingsError, build_settings
 from areal_aio.tasks import calculator_openai, chat
 from areal_aio.tasks.calculator import calculate
 from areal_aio.tasks.episode import Bounds, Model
 from areal_aio.tasks.task import Task
 from tests.conftest import make_settings, orchestrator
+from tests.control.test_episodes import rows
 
 USER = [{"role": "user", "content": "What is 2 + 3?"}]
 TASK = Task("t0", "What is 2 + 3?", "5")
@@ -264,3 +266,42 @@ async def test_an_agent_that_rewrites_its_history_trains_each_sequence(tmp_path)
 def test_the_endpoint_settings_are_documented():
     names = {f.name for f in dataclasses.fields(EndpointSettings)}
     assert {"host", "port", "key_env", "max_body_bytes", "max_concurrent", "model_name", "enabled"} <= names
+
+
+# ---------------------------------------------------------------------- the real workers (slow)
+
+
+def real_settings(**extra):
+    sets = ["model.path=embedded:tiny-random", "run.max_steps=2", "run.progress=false", "rollout.group_size=2",
+            "trainer.batch_size=4", "rollout.max_new_tokens=6", "task.eval_size=2", "task.eval_every=2",
+            "controller.reward_procs=0", "run.checkpoint_every=0"]
+    return build_settings({}, sets + [f"{k}={v}" for k, v in extra.items()])
+
+
+async def tool_turn_through_openai(task: Task, model: Model) -> None:
+    """Two calls with a tool message between, whatever the (random) model replied: the second
+    must continue the first's sequence on the real tokenizer's text round trip."""
+    async with model.openai(max_retries=0) as c:
+        messages = [{"role": "system", "content": calculator_openai.INSTRUCTION}, {"role": "user", "content": task.text}]
+        first = await c.chat.completions.create(model=model.model_name, messages=messages,
+                                                tools=calculator_openai.TOOLS)
+        messages += [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": "c0", "content": "7"}]
+        await c.chat.completions.create(model=model.model_name, messages=messages, tools=calculator_openai.TOOLS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("episode", [calculator_openai.episode, tool_turn_through_openai])
+async def test_openai_episodes_train_on_the_real_workers(tmp_path, episode):
+    """tiny-random in both subprocesses, areal mode: the openai calculator trains end to end, and
+    a tool message between two calls joins one sequence (one trained sample per episode: reply,
+    tool turn out of the loss, reply)."""
+    orch = Orchestrator(real_settings(**{"task.name": "calculator"}), episode=episode, out_dir=tmp_path / "run")
+    summary = await asyncio.wait_for(orch.run(), 300)
+    assert summary["steps"] == 2 and summary["episode_failures"] == 0, summary.get("error")
+    if episode is tool_turn_through_openai:
+        trained = [r for r in rows(tmp_path / "run") if r["dropped"] is None and r["step"] is not None]
+        assert len(trained) == 8
+        for r in trained:
+            assert [(t["role"], t["trained"]) for t in r["turns"]] == [("assistant", True), ("tool", False),
+                                                                      ("assistant", True)]
