@@ -6,7 +6,9 @@
                                              score an HF folder, embedded spec or run folder
                                              on the held-out set (the in-run protocol); writes
                                              eval.json and its logs into DIR (or beside FILE),
-                                             the run folder, or runs/eval-<time>-<pid>/
+                                             the run folder, or runs/eval-<time>-<pid>/; an
+                                             eval.json there is overwritten, and its last line
+                                             says "overwrote"
     sft SETTINGS [--set ...] [--out DIR]     fine-tune on reference replies (areal_aio/app/sft.py); writes
                                              an HF folder (DIR/model) an RL run's model.path takes
     check SETTINGS [--set ...] | keys
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import orjson
 
-from areal_aio.app.preflight import preflight
+from areal_aio.app.preflight import check_eval_file, preflight
 from areal_aio.app.runner import close_console, exit_code, run_owned
 from areal_aio.control.progress import say
 from areal_aio.settings import SettingsError, describe, load_settings
@@ -141,21 +143,24 @@ def _resume(run_dir: str, settings_path: str | None, overrides: list[str], out: 
 
 
 def _eval(model: str, settings_path: str | None, overrides: list[str], out: str | None) -> int:
-    """`eval`: preflight as `run` (MODEL named as such), then the held-out set; writes eval.json
-    and the logs where evaluation.eval_file says, and says where in its last line."""
+    """`eval`: preflight as `run` (MODEL named as such; eval.json's path must not be a folder),
+    then the held-out set; writes eval.json and the logs where evaluation.eval_file says, and
+    says where in its last line: "overwrote" when an eval.json was there."""
     from areal_aio.control.evaluation import eval_file, evaluate_model, model_settings
 
     settings, spec, run_folder = model_settings(model, settings_path, overrides)
     target = eval_file(settings, run_folder, out)
-    preflight(settings, target.parent, model_key="MODEL", ray=False,
-              out_key="--out" if out is not None else ("MODEL" if run_folder is not None else "run.out_dir"))
+    out_key = "--out" if out is not None else ("MODEL" if run_folder is not None else "run.out_dir")
+    check_eval_file(target, out_key)
+    preflight(settings, target.parent, model_key="MODEL", ray=False, out_key=out_key)
+    replaced = target.is_file()
     try:
         result = run_owned(evaluate_model(settings, target))
     except BaseException as exc:  # noqa: BLE001 - exit_code re-raises what is not a job's end
         return exit_code(exc, target.parent)
     say(f"{spec}: pass {result['pass_rate']:.3f}  strict {result['strict_rate']:.3f}  "
         f"reward {result['reward_mean']:.3f}  ({result['n']} held-out prompts)\n"
-        f"wrote {target} (the eval's logs beside it)", sys.stdout, target.parent)
+        f"{'overwrote' if replaced else 'wrote'} {target} (the eval's logs beside it)", sys.stdout, target.parent)
     return 0
 
 
@@ -169,7 +174,11 @@ def _run(settings, out: str | None, resume=None, rows=None, before=None) -> int:
 
     given = {} if rows is None else {"tasks": training_tasks(settings, rows=rows),
                                      "eval_set": eval_tasks(settings, rows=rows)}
-    orchestrator = Orchestrator(settings, out_dir=out, resume=resume, **given)
+    try:
+        orchestrator = Orchestrator(settings, out_dir=out, resume=resume, **given)
+    except SettingsError as exc:  # what it reads first (the eval set, the episode) cannot be had
+        say(f"settings error: {exc}")
+        return 2
     try:
         summary = run_owned(run_tracked(orchestrator))
     except CheckpointError as exc:  # the folder holds a run, or another run is using it

