@@ -45,6 +45,7 @@ import orjson
 from areal_aio import wire
 from areal_aio.app.preflight import PreflightError, preflight, read_checked
 from areal_aio.control.evaluation import greedy_completions, rates, sample_rows, score
+from areal_aio.control.progress import say
 from areal_aio.control.sources import eval_tasks, training_tasks
 from areal_aio.rewards.scoring import AnswerReward, Scorer
 from areal_aio.settings import CODE_TASKS, SFT, Settings, SettingsError, load_settings
@@ -267,9 +268,9 @@ async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:
     longest = max(len(c) for batch in tokenized for _, c in batch)
     too_long = sum(len(c) > settings.rollout.max_new_tokens for batch in tokenized for _, c in batch)
     if too_long:
-        print(f"warning: {too_long} completions are longer than rollout.max_new_tokens "
-              f"({settings.rollout.max_new_tokens} tokens; the longest has {longest}): the evals cut them",
-              file=sys.stderr)
+        say(f"warning: {too_long} completions are longer than rollout.max_new_tokens "
+            f"({settings.rollout.max_new_tokens} tokens; the longest has {longest}): the evals cut them",
+            folder=folder)
 
     stages = {"before": eval_set}
     if plain := plain_tasks(eval_set):
@@ -296,8 +297,8 @@ async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:
                 fh.write(orjson.dumps(row) + b"\n")
                 fh.flush()
                 if settings.run.progress:
-                    print(f"sft step {step}/{cfg.steps}: loss {row['loss']:.4f}, {row['tokens']} tokens, "
-                          f"{row['seconds']:.1f}s", file=sys.stderr, flush=True)
+                    say(f"sft step {step}/{cfg.steps}: loss {row['loss']:.4f}, {row['tokens']} tokens, "
+                        f"{row['seconds']:.1f}s", folder=folder)
         train_s = time.perf_counter() - t_train
         await trainer.send(wire.Save("model", str(folder / "model")))
         msg = await trainer.recv()
@@ -350,18 +351,17 @@ def main(settings_path: str, overrides: list[str], out: str | None) -> int:
         folder = sft_folder(settings, out)
         check(settings, folder, out)
     except SettingsError as exc:
-        print(f"settings error: {exc}", file=sys.stderr)
+        say(f"settings error: {exc}")
         return 2
     try:
         summary = run_owned(fine_tune(settings, folder))
     except BaseException as exc:  # noqa: BLE001 - exit_code re-raises what is not a run's end
         return exit_code(exc, folder)
-    for stage in ("before_plain", "before", "after"):
-        if stage in summary:
-            r = summary[stage]
-            print(f"{stage:>12}: valid {r['valid_rate']:.3f}  pass {r['pass_rate']:.3f}  "
-                  f"strict {r['strict_rate']:.3f}  ({r['n']} held-out prompts)")
-    print(f"{summary['steps']} steps, {summary['pairs']} pairs, loss {summary['loss_first']:.3f} -> "
-          f"{summary['loss_last']:.3f}, training {summary['train_s']:.0f}s, all {summary['wall_s']:.0f}s")
-    print(f"model: {summary['model']}")
+    lines = [f"{stage:>12}: valid {r['valid_rate']:.3f}  pass {r['pass_rate']:.3f}  "
+             f"strict {r['strict_rate']:.3f}  ({r['n']} held-out prompts)"
+             for stage in ("before_plain", "before", "after") if (r := summary.get(stage))]
+    lines += [f"{summary['steps']} steps, {summary['pairs']} pairs, loss {summary['loss_first']:.3f} -> "
+              f"{summary['loss_last']:.3f}, training {summary['train_s']:.0f}s, all {summary['wall_s']:.0f}s",
+              f"model: {summary['model']}"]
+    say("\n".join(lines), sys.stdout, folder)
     return 0
