@@ -66,7 +66,7 @@ async def play(episode: Episode, task: Task, model: Model, timeout_s: float) -> 
             with endpoint.served(model):  # its base URL, while it plays (endpoint.enabled)
                 result = await episode(task, model)
         if model.transcript.last is None:
-            raise NoReply("ended without a reply (it never awaited model.reply())")
+            raise NoReply("ended without a reply (none in its last sequence: it never awaited model.reply())")
         return (None if result is None else as_score(result)), None
     except asyncio.CancelledError:
         raise
