@@ -63,7 +63,7 @@ the time ends a run this way with odds p^(group_size x 16) per stretch: 2e-10 fo
 two samples a group (the default has eight)."""
 
 
-class EpisodesFailing(RuntimeError):
+class EpisodesFailing(stats.RunFailed):
     """Every episode of FAILING_GROUPS_TO_STOP groups in a row failed: the run ends (its
     __cause__ is the last failure, whose traceback error.log keeps)."""
 

@@ -36,10 +36,9 @@ import orjson
 
 from areal_aio.control.progress import say
 from areal_aio.control.runlog import RunLog
-from areal_aio.control.stats import Counts, worker_failure
+from areal_aio.control.stats import Counts, Failure, worker_failure
 from areal_aio.control.trainer_link import TrainerLink
 from areal_aio.fleet.client import WorkerFailed
-from areal_aio.rewards.pool import RewardPoolBroken
 from areal_aio.settings import Settings
 from areal_aio.store import checkpoint
 from areal_aio.store.weights import WeightStore
@@ -303,7 +302,7 @@ class Keeper:
 
     # ------------------------------------------------------------------ at a stop
 
-    async def keep_and_stop_trainer(self, failure: WorkerFailed | RewardPoolBroken | None,
+    async def keep_and_stop_trainer(self, failure: Failure | None,
                                     workers_up: bool) -> None:
         """At a stop: a trainer that is alive keeps the run (finishes a step in flight, writes
         model/, best/, a checkpoint), then is stopped; a write it did not finish leaves no

@@ -39,7 +39,12 @@ finite) that stop the run: one is a bad batch, several in a row a run that canno
 rewards, its learning rate, its model), and going on would spend the rest of it on no update."""
 
 
-class TrainingDiverged(RuntimeError):
+class RunFailed(RuntimeError):
+    """Something in the run itself (not a worker, not the reward pool) ends it as failed, with
+    one line; raised to the caller as itself, not inside an exception group (Failure)."""
+
+
+class TrainingDiverged(RunFailed):
     """SKIPPED_IN_A_ROW_MAX steps in a row took no update; the run stops as failed."""
 
 
@@ -244,13 +249,13 @@ def finished_by_itself(summary: dict[str, Any]) -> bool:
     return summary.get("ended", "completed") in ENDINGS and summary.get("ended") != "interrupted"
 
 
-Failure = WorkerFailed | RewardPoolBroken | TrainingDiverged
+Failure = WorkerFailed | RewardPoolBroken | RunFailed
 """What ends a run from inside its TaskGroup and is raised as itself, not as an exception group."""
 
 
 def worker_failure(error: BaseException | None) -> Failure | None:
-    """The WorkerFailed, RewardPoolBroken or TrainingDiverged inside a TaskGroup's
-    ExceptionGroup, if that is what ended the run."""
+    """The WorkerFailed, RewardPoolBroken or RunFailed (TrainingDiverged, EpisodesFailing)
+    inside a TaskGroup's ExceptionGroup, if that is what ended the run."""
     if isinstance(error, Failure):
         return error
     if isinstance(error, BaseExceptionGroup):
