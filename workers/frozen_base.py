@@ -78,18 +78,18 @@ class FrozenLinear(torch.nn.Linear):
 
 
 class FrozenEmbedding(torch.nn.Embedding):
-    """A frozen Embedding stored in bf16 whose rows come out in the dtype the model computes in."""
+    """A frozen Embedding stored in bf16 whose rows come out in fp32, the dtype the trainer
+    computes in (autocast narrows its matmuls itself), whatever dtype the base was loaded in."""
 
     def __init__(self, emb: torch.nn.Embedding) -> None:
         torch.nn.Module.__init__(self)  # not Embedding's: it would allocate a wide table
         self.num_embeddings, self.embedding_dim = emb.num_embeddings, emb.embedding_dim
         self.padding_idx, self.max_norm = emb.padding_idx, emb.max_norm
         self.norm_type, self.scale_grad_by_freq, self.sparse = emb.norm_type, emb.scale_grad_by_freq, emb.sparse
-        self.out_dtype = emb.weight.dtype
         self.weight, _ = narrow(emb.weight.detach(), "bfloat16")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(ids).to(self.out_dtype)
+        return super().forward(ids).float()
 
 
 def narrow(weight: torch.Tensor, dtype: str) -> tuple[torch.nn.Parameter, torch.Tensor | None]:

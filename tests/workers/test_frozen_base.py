@@ -118,3 +118,17 @@ def test_a_base_dtype_without_lora_is_a_settings_error() -> None:
 
     with pytest.raises(SettingsError, match="lora.base_dtype: int8 stores the frozen base of a LoRA run"):
         settings("lora.base_dtype=int8")
+
+
+def test_a_trainer_loads_a_narrow_base_in_bf16_and_computes_in_fp32(tmp_path, batch) -> None:
+    """The trainer's own load (no model handed in): the base read in bf16 and stored so, never
+    widened; the adapter, the norms and the buffers fp32; the policy the fp32 base's, closely."""
+    torch.manual_seed(SEED)
+    trainer = Trainer(settings(*LORA, "lora.base_dtype=bfloat16").to_dict(), tmp_path)
+    dtypes = {name: p.dtype for name, p in trainer.model.named_parameters()}
+    assert {d for n, d in dtypes.items() if ".base_layer." in n or "embed" in n} == {torch.bfloat16}
+    assert {d for n, d in dtypes.items() if ".lora_" in n or "norm" in n} == {torch.float32}
+    assert {b.dtype for b in trainer.model.buffers()} == {torch.float32}
+    mb = build_micro_batch(batch, list(range(len(batch))), torch.zeros(len(batch)), trainer.pad_id, "cpu")
+    wide = make_trainer(tmp_path / "fp32", "float32")
+    assert (trainer.logprobs(mb) - wide.logprobs(mb)).abs().max() < LOGP_ATOL["bfloat16"]
