@@ -290,7 +290,8 @@ class Orchestrator:
 
     async def _supervise(self) -> None:
         # an episode run serves its OpenAI-compatible endpoint while its tasks run (endpoint.py)
-        async with endpoint.serving(self.settings.endpoint, self._episode is not None), asyncio.TaskGroup() as tg:
+        async with (endpoint.serving(self.settings.endpoint, self._episode is not None, self.counts),
+                    asyncio.TaskGroup() as tg):
             self._tg = tg
             self._dispatcher = tg.create_task(self._dispatch(), name="dispatch")
             helpers = [self._dispatcher] + [tg.create_task(coro, name=name) for name, coro in (
@@ -521,7 +522,6 @@ class Orchestrator:
             await asyncio.sleep(MONITOR_PERIOD_S)
             now = time.perf_counter()
             self._lag_max = max(self._lag_max, now - expected)
-            expected = now + MONITOR_PERIOD_S
             if now - self._t0 >= self.settings.run.max_wall_s:
                 self._request_stop("max_wall")
             if now - last_progress >= PROGRESS_PERIOD_S:
@@ -531,6 +531,8 @@ class Orchestrator:
                                      version=self.version)
                 await self.log.flush()
                 self._watch.refresh()
+            # the next probe from here: the flush above waits on a write, not on a blocked loop
+            expected = time.perf_counter() + MONITOR_PERIOD_S
 
     # ------------------------------------------------------------------ summary
 

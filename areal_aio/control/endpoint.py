@@ -21,7 +21,8 @@ episode that ends takes its calls in flight with it (410, their replies aborted)
 known (ENDED_KEPT) so a late call gets 410, not 404. A stop or a weight update mid-call is not
 seen by the client: groups' _reply resubmits an aborted reply (on_interrupt = restart), and a
 continued one returns with its tokens' versions. Every error is OpenAI's error JSON and counted
-(`Endpoint.errors`, by status); nothing a client sends reaches the loop's other tasks.
+by status, as every completion is, in the run's counts (stats.Counts.answered: summary.json's
+endpoint_calls and endpoint_errors); nothing a client sends reaches the loop's other tasks.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ import contextvars
 import os
 import secrets
 import socket
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
 
+from areal_aio.control.stats import Counts
 from areal_aio.settings import EndpointSettings, SettingsError
 from areal_aio.tasks.chat import ChatError, ChatRequest, Conversation
 from areal_aio.tasks.episode import Model
@@ -47,6 +49,11 @@ ENDED_KEPT = 65536
 """Ids of ended episodes remembered (oldest forgotten first): a late call gets 410, not 404."""
 ID_BYTES = 18
 """Random bytes of an episode id (144 bits, URL-safe base64): unguessable, so its URL is its key."""
+BACKLOG = 4096
+"""Connections the kernel completes and queues while the loop is busy elsewhere (the listen
+backlog; Linux caps it at net.core.somaxconn, 4096 by default). Every episode's own client
+connects at its first call, so a batch of new episodes is a burst of connects; past aiohttp's
+default of 128 the kernel drops the SYNs and each client retries after 1 s, then 3 s."""
 
 CURRENT: contextvars.ContextVar[Endpoint | None] = contextvars.ContextVar("areal_aio_endpoint", default=None)
 """The endpoint of the run whose task this is (set by `serving`, inherited by the run's tasks)."""
@@ -66,24 +73,19 @@ class Served:
 class Endpoint:
     """The server and the episodes it serves (by id)."""
 
-    def __init__(self, settings: EndpointSettings, key: str = "") -> None:
+    def __init__(self, settings: EndpointSettings, key: str = "", counts: Counts | None = None) -> None:
         self.settings = settings
         self.key = key
+        self.counts = counts if counts is not None else Counts()  # its answers: the run's counts
         self.port = 0
+        self.root = ""  # http://host:port, set by start
         self.live: dict[str, Served] = {}
         self.ended: OrderedDict[str, None] = OrderedDict()
-        self.errors: Counter[int] = Counter()  # error answers by HTTP status
-        self.calls = 0  # completions answered
         self._runner: web.AppRunner | None = None
 
-    @property
-    def root(self) -> str:
-        """http://host:port: a wildcard host is named by this machine's name."""
-        host = self.settings.host
-        host = socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
-        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
-
     async def start(self) -> None:
+        """Listen; `root` is known from here on (a wildcard host named by this machine's name,
+        looked up once: getfqdn may ask DNS, which blocks the loop)."""
         app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._errors])
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/{episode}/v1/models", self._models)
@@ -91,9 +93,12 @@ class Endpoint:
         app.router.add_post("/{episode}/reward", self._reward)
         self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
+        site = web.TCPSite(self._runner, self.settings.host, self.settings.port, backlog=BACKLOG)
         await site.start()
         self.port = self._runner.addresses[0][1]
+        host = self.settings.host
+        host = socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+        self.root = f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     async def stop(self) -> None:
         """Close the server: every episode's calls in flight end (their replies aborted)."""
@@ -154,7 +159,7 @@ class Endpoint:
             raise  # the client went away (or the server stops): the reply was aborted
         finally:
             served.handlers.discard(task)
-        self.calls += 1
+        self.counts.answered(200)
         return _response(body)
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -201,7 +206,7 @@ class Endpoint:
             asyncio.get_running_loop().call_exception_handler(
                 {"message": "areal_aio endpoint: a request failed", "exception": exc})
             error = ChatError(500, f"internal error: {type(exc).__name__}", kind="server_error")
-        self.errors[error.status] += 1
+        self.counts.answered(error.status)
         return _response(error.body(), error.status)
 
 
@@ -229,13 +234,13 @@ def key_of(settings: EndpointSettings) -> str:
 
 
 @contextlib.asynccontextmanager
-async def serving(settings: EndpointSettings, episodes: bool) -> AsyncIterator[Endpoint | None]:
+async def serving(settings: EndpointSettings, episodes: bool, counts: Counts) -> AsyncIterator[Endpoint | None]:
     """Serve the endpoint for the block (an episode run with endpoint.enabled; else None): the
-    tasks created in it find it through CURRENT."""
+    tasks created in it find it through CURRENT; its answers are counted in `counts`."""
     if not (episodes and settings.enabled):
         yield None
         return
-    endpoint = Endpoint(settings, key_of(settings))
+    endpoint = Endpoint(settings, key_of(settings), counts)
     await endpoint.start()
     token = CURRENT.set(endpoint)
     try:

@@ -13,6 +13,7 @@ changes it and every row one place that builds it:
     (episode_failures: an episode that raised or passed a bound, scored 0)
     Counts.trained     a batch committed                  accepted, trained_tokens, staleness_hist
     Counts.stepped     a step committed                   steps_skipped, skipped_in_a_row
+    Counts.answered    the endpoint answered a call       endpoint_calls, endpoint_errors (by status)
     (admitted, restarts, eval_tokens, lost_in_flight: one line each where they happen)
     WorkerShare        one rollout worker's part: its requests and training tokens
 """
@@ -68,6 +69,8 @@ class Counts:
     skipped_uniform: int = 0  # samples of groups not trained for equal rewards (controller.dynamic_sampling)
     steps_skipped: int = 0  # committed steps whose update the trainer skipped (not finite)
     skipped_in_a_row: int = 0  # the last steps_skipped, back to 0 at a step that updated
+    endpoint_calls: int = 0  # chat completions the OpenAI-compatible endpoint answered (control/endpoint.py)
+    endpoint_errors: dict[str, int] = field(default_factory=dict)  # its error answers by HTTP status ("429": n)
     staleness_hist: Counter = field(default_factory=Counter)
 
     def completed(self, msg: wire.Completion) -> None:
@@ -108,6 +111,13 @@ class Counts:
         skipped = bool(trained.stats.get("skipped"))
         self.steps_skipped += skipped
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+
+    def answered(self, status: int) -> None:
+        """The endpoint answered a chat completion (200) or any request with an error (`status`)."""
+        if status == 200:
+            self.endpoint_calls += 1
+        else:
+            self.endpoint_errors[str(status)] = self.endpoint_errors.get(str(status), 0) + 1
 
     def diverged(self, step: int) -> TrainingDiverged | None:
         """Why the run must stop after `step`, when SKIPPED_IN_A_ROW_MAX steps in a row skipped."""
@@ -199,6 +209,7 @@ def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, 
         "reward_failures": c.reward_failures, "episode_failures": c.episode_failures,
         "samples_dropped_episode": c.dropped_episode, "samples_skipped_uniform": c.skipped_uniform,
         "steps_skipped": c.steps_skipped,
+        "endpoint_calls": c.endpoint_calls, "endpoint_errors": dict(sorted(c.endpoint_errors.items())),
         "dynamic_sampling": s.controller.dynamic_sampling, "max_staleness_trained": max_trained_staleness,
         "lost_in_flight": c.lost_in_flight, "resumes": resumes,
         "best_eval": best if best["version"] is not None else None,

@@ -291,13 +291,15 @@ class Conversation:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
-        logprobs = {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
-                                for t, lp in zip(last.completion_ids, last.logprobs, strict=True)]}
+        logprobs = None
+        if request.logprobs:  # one dict per token: built only for a client that asks
+            logprobs = {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                                    for t, lp in zip(last.completion_ids, last.logprobs, strict=True)]}
         prompt_tokens = len(model.transcript.context_ids) - len(last.completion_ids)
         return {"id": f"chatcmpl-{self._prefix}-{self.calls}", "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                             "logprobs": logprobs if request.logprobs else None}],
+                             "logprobs": logprobs}],
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(last.completion_ids),
                           "total_tokens": prompt_tokens + len(last.completion_ids)}}
 

@@ -56,6 +56,24 @@ async def test_run_completes_and_counts_add_up(tmp_path):
     assert not [k for k in required if k not in summary]
 
 
+async def test_loop_lag_is_the_loops_not_the_monitors_own_flush(tmp_path, monkeypatch):
+    """The monitor awaits its rows' flush every progress period; that wait is not loop lag."""
+    from areal_aio.control import controller
+    from areal_aio.control.runlog import RunLog
+
+    flush = RunLog.flush
+
+    async def slow_flush(self):
+        await asyncio.sleep(0.4)  # a write that takes a while; the loop is free meanwhile
+        await flush(self)
+
+    monkeypatch.setattr(controller, "PROGRESS_PERIOD_S", 0.0)
+    monkeypatch.setattr(RunLog, "flush", slow_flush)
+    settings = make_settings("sync", **{"run.max_steps": 2})
+    summary = await orchestrator(tmp_path, settings, trainer=FakeTrainer(step_delay_s=0.3)).run()
+    assert summary["wall_s"] > 0.5 and summary["loop_lag_max_ms"] < 250
+
+
 @pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("eta", [0, 1, 2, 4])
 @pytest.mark.parametrize("seed", [0, 1, 2])

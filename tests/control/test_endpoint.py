@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import socket
 
 import httpx
 import openai
@@ -78,7 +79,7 @@ async def test_a_call_through_the_openai_client_is_a_reply(served):
         models = await c.models.list()
     assert r.choices[0].message.content == "ok" and r.choices[0].finish_reason == "stop"
     assert model.replies == 1 and gate.asks[0].messages == USER
-    assert [m.id for m in models.data] == ["policy"] and ep.calls == 1
+    assert [m.id for m in models.data] == ["policy"] and ep.counts.endpoint_calls == 1
 
 
 async def test_bad_input_gets_openai_errors_and_the_endpoint_keeps_serving(served):
@@ -99,7 +100,7 @@ async def test_bad_input_gets_openai_errors_and_the_endpoint_keeps_serving(serve
         assert err.value.code == "episode_not_found"
         r = await c.chat.completions.create(model="policy", messages=USER)  # still serving
     assert r.choices[0].message.content == "ok" and model.replies == 1
-    assert ep.errors == {404: 2, 400: 2, 413: 1}
+    assert ep.counts.endpoint_errors == {"404": 2, "400": 2, "413": 1}
 
 
 async def test_too_many_concurrent_calls_get_429_and_the_rest_are_answered_in_order(served):
@@ -173,6 +174,36 @@ async def test_a_key_is_required_where_set_and_other_hosts_need_one(monkeypatch)
         await ep.stop()
 
 
+async def test_a_burst_of_connects_while_the_loop_is_busy_waits_in_the_kernel(served):
+    """Connects arriving while the loop runs something else are completed and queued by the
+    kernel up to the listen backlog; past aiohttp's default 128 a connect would wait 1 s."""
+    ep, _, _, _ = served
+    socks = []
+    try:
+        for _ in range(300):  # the loop is blocked here: nothing accepts them meanwhile
+            socks.append(socket.create_connection(("127.0.0.1", ep.port), timeout=0.5))
+    finally:
+        for s in socks:
+            s.close()
+    assert len(socks) == 300
+
+
+async def test_a_wildcard_host_is_named_once_not_per_episode(monkeypatch):
+    """getfqdn may ask DNS, which blocks the loop: looked up at start, not for every episode."""
+    names = []
+    monkeypatch.setattr(endpoint.socket, "getfqdn", lambda: names.append(1) or "box.example")
+    ep = Endpoint(EndpointSettings(host="0.0.0.0", key_env="KEY"), "k")
+    await ep.start()
+    try:
+        for _ in range(3):
+            model = Model(Bounds(4, 1000, 60.0, 64), Gate())
+            with ep.episode(model):
+                assert model.base_url.startswith(f"http://box.example:{ep.port}/")
+    finally:
+        await ep.stop()
+    assert len(names) == 1
+
+
 async def test_an_agent_elsewhere_posts_the_reward(served):
     ep, model, gate, url = served
     root = url.removesuffix("/v1")
@@ -234,7 +265,8 @@ async def trained(tmp_path, episode) -> tuple[dict, list[wire.TrainSample], Endp
 
 async def test_the_openai_calculator_trains_and_its_tokens_are_those_of_model_reply(tmp_path):
     summary, samples, ep = await trained(tmp_path / "a", calculator_openai.episode)
-    assert summary["steps"] == 2 and summary["episode_failures"] == 0 and not ep.errors
+    assert summary["steps"] == 2 and summary["episode_failures"] == 0
+    assert summary["endpoint_errors"] == {} and summary["endpoint_calls"] >= 2 * len(samples)
     assert all(s.reward == pytest.approx(1.2) for s in samples)  # tagged and correct: the tool's value
     for s in samples:  # reply | tool turn | reply: the turn in the context, out of the loss
         mask = s.loss_mask
@@ -261,6 +293,22 @@ async def test_an_agent_that_rewrites_its_history_trains_each_sequence(tmp_path)
     per_step = settings.trainer.batch_size * 2  # each episode trains two samples
     assert len(samples) == 2 * per_step and all(s.reward == 1.0 for s in samples)
     assert {len(s.loss_mask) for s in samples} == {6} and all(sum(s.loss_mask) == 6 for s in samples)
+
+
+async def test_the_summary_counts_the_endpoints_answers_by_status(tmp_path):
+    async def asks_another_model_first(task: Task, model: Model) -> float:
+        async with model.openai(max_retries=0) as c:
+            with pytest.raises(openai.NotFoundError):
+                await c.chat.completions.create(model="gpt-4o", messages=USER)
+            await c.chat.completions.create(model=model.model_name,
+                                            messages=[{"role": "user", "content": task.text}])
+        return 1.0
+
+    summary, samples, _ = await trained(tmp_path, asks_another_model_first)
+    assert summary["endpoint_calls"] >= len(samples) and summary["episode_failures"] == 0
+    assert summary["endpoint_errors"] == {"404": summary["endpoint_calls"]}  # one per episode, eval's too
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["endpoint_errors"] == {
+        "404": summary["endpoint_calls"]}
 
 
 def test_the_endpoint_settings_are_documented():
