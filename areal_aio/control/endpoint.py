@@ -150,7 +150,7 @@ class Endpoint:
         task = asyncio.current_task()
         served.handlers.add(task)
         try:
-            ask = ChatRequest.parse(await _json(request), self.settings.model_name)
+            ask = ChatRequest.parse(await _json(request), self.settings.model_name, served.conversation.known)
             async with served.lock:
                 body = await served.conversation.complete(ask)
         except asyncio.CancelledError:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from areal_aio.tasks.episode import EpisodeLimit, Model
@@ -91,10 +91,14 @@ class ChatRequest:
     max_tokens: int | None
     stop: tuple[str, ...]
     logprobs: bool
+    raw: tuple[Any, ...] = field(default=(), compare=False)  # the messages as sent (JSON values)
 
     @classmethod
-    def parse(cls, body: Any, model_name: str) -> ChatRequest:
-        """The request, or ChatError naming the field at fault (404 for another model)."""
+    def parse(cls, body: Any, model_name: str, known: tuple[tuple[Any, Message], ...] = ()) -> ChatRequest:
+        """The request, or ChatError naming the field at fault (404 for another model).
+        `known`: (message as sent, Message) pairs of the conversation so far (Conversation.known):
+        the leading messages equal to theirs, the history an agent sends back with every call,
+        are not checked and converted again; each call then parses only what it adds."""
         if not isinstance(body, dict):
             raise ChatError(400, "the body must be a JSON object")
         if body.get("model") != model_name:
@@ -111,8 +115,12 @@ class ChatRequest:
         if not isinstance(messages, list) or not messages:
             raise ChatError(400, "messages must be a non-empty list", param="messages")
         tools, choice = _tools(body.get("tools"), body.get("tool_choice"))
-        return cls(tuple(_message(m, i) for i, m in enumerate(messages)), tools, choice,
-                   _max_tokens(body), _stop(body.get("stop")), bool(body.get("logprobs")))
+        same = 0
+        while same < min(len(messages), len(known)) and messages[same] == known[same][0]:
+            same += 1
+        parsed = [m for _, m in known[:same]] + [_message(m, i) for i, m in enumerate(messages[same:], same)]
+        return cls(tuple(parsed), tools, choice, _max_tokens(body), _stop(body.get("stop")),
+                   bool(body.get("logprobs")), tuple(messages))
 
 
 def _message(m: Any, i: int) -> Message:
@@ -263,6 +271,7 @@ class Conversation:
         self.model_name = model_name
         self._prefix = call_prefix
         self._history: tuple[Message, ...] | None = None  # the current sequence, as the agent echoes it
+        self.known: tuple[tuple[Any, Message], ...] = ()  # the last request's messages and its reply, as sent
         self._tools: tuple[dict[str, Any], ...] = ()
         self.calls = 0
         self.sequences = 0  # sequences started through this conversation
@@ -291,6 +300,7 @@ class Conversation:
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
+        self.known = (*zip(request.raw, request.messages, strict=False), (message, self._history[-1]))
         logprobs = None
         if request.logprobs:  # one dict per token: built only for a client that asks
             logprobs = {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}

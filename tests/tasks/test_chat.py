@@ -64,6 +64,23 @@ async def test_a_call_that_extends_the_last_continues_from_its_ids():
     assert conv.sequences == 1 and conv.model.earlier == []
 
 
+async def test_the_history_sent_back_is_not_parsed_again(monkeypatch):
+    """Each call sends the whole history: the messages equal to the last call's and its reply
+    as returned are taken as they were parsed, and only the new turn is checked and converted."""
+    conv, policy = conversation(CALL_TEXT, "5")
+    first = await conv.complete(ask(USER, tools=TOOLS))
+    reply = json.loads(json.dumps(first["choices"][0]["message"]))  # as a client sends it back
+    call_id = reply["tool_calls"][0]["id"]
+    parsed = []
+    message = chat._message
+    monkeypatch.setattr(chat, "_message", lambda m, i: parsed.append(i) or message(m, i))
+    again = ChatRequest.parse({"model": "policy", "tools": TOOLS, "messages": [
+        *USER, reply, {"role": "tool", "tool_call_id": call_id, "content": "5"}]}, "policy", conv.known)
+    assert parsed == [3] and again == ask(list(again.raw), tools=TOOLS)  # the same request as parsed whole
+    await conv.complete(again)
+    assert policy.asks[1].context_ids is not None and policy.asks[1].append == [{"role": "tool", "content": "5"}]
+
+
 @pytest.mark.parametrize("change", ["rewrite", "truncate", "own_assistant", "tools"])
 async def test_a_call_that_does_not_extend_starts_a_new_sequence(change):
     conv, policy = conversation("It is", " 5.")
