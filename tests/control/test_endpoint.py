@@ -243,10 +243,10 @@ async def same_through_model_reply(task: Task, model: Model) -> None:
         text = await model.reply()
 
 
-async def trained(tmp_path, episode) -> tuple[dict, list[wire.TrainSample], Endpoint | None]:
+async def trained(tmp_path, episode, policy=tool_call_policy) -> tuple[dict, list[wire.TrainSample], Endpoint | None]:
     trainer = FakeTrainer()
     settings = make_settings("sync", **{"run.max_steps": 2, "task.eval_every": 100})
-    orch = orchestrator(tmp_path, settings, FakeRollout(policy=tool_call_policy, continuation=answer_tool_value,
+    orch = orchestrator(tmp_path, settings, FakeRollout(policy=policy, continuation=answer_tool_value,
                                                         tokens=6), trainer, episode=episode)
     seen = []
     play = endpoint.Endpoint.episode
