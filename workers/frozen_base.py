@@ -59,15 +59,17 @@ class FrozenLinear(torch.nn.Linear):
     An nn.Linear to every isinstance check (peft, transformers, linear_paths), with its
     in_features / out_features, but no fp32 weight is ever allocated for it."""
 
-    def __init__(self, linear: torch.nn.Linear, dtype: str, weight: torch.nn.Parameter | None = None) -> None:
+    def __init__(self, linear: torch.nn.Linear, dtype: str, weight: torch.nn.Parameter | None = None,
+                 own: bool = False) -> None:
         torch.nn.Module.__init__(self)  # not Linear's: it would allocate a wide weight
         self.in_features, self.out_features = linear.in_features, linear.out_features
         scale = None
         if weight is None:
-            weight, scale = narrow(linear.weight.detach(), dtype)
+            weight, scale = narrow(linear.weight.detach(), dtype, own)
         self.weight = weight  # given: tied, the embedding's stored table
         self.register_buffer(SCALE, scale)
-        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.bias = None if bias is None else torch.nn.Parameter(bias.clone() if own else bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = x.device.type
@@ -81,21 +83,22 @@ class FrozenEmbedding(torch.nn.Embedding):
     """A frozen Embedding stored in bf16 whose rows come out in fp32, the dtype the trainer
     computes in (autocast narrows its matmuls itself), whatever dtype the base was loaded in."""
 
-    def __init__(self, emb: torch.nn.Embedding) -> None:
+    def __init__(self, emb: torch.nn.Embedding, own: bool = False) -> None:
         torch.nn.Module.__init__(self)  # not Embedding's: it would allocate a wide table
         self.num_embeddings, self.embedding_dim = emb.num_embeddings, emb.embedding_dim
         self.padding_idx, self.max_norm = emb.padding_idx, emb.max_norm
         self.norm_type, self.scale_grad_by_freq, self.sparse = emb.norm_type, emb.scale_grad_by_freq, emb.sparse
-        self.weight, _ = narrow(emb.weight.detach(), "bfloat16")
+        self.weight, _ = narrow(emb.weight.detach(), "bfloat16", own)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return super().forward(ids).float()
 
 
-def narrow(weight: torch.Tensor, dtype: str) -> tuple[torch.nn.Parameter, torch.Tensor | None]:
-    """(the frozen weight stored as `dtype`, its per-row scale [out, 1] for int8 else None)."""
+def narrow(weight: torch.Tensor, dtype: str, own: bool = False) -> tuple[torch.nn.Parameter, torch.Tensor | None]:
+    """(the frozen weight stored as `dtype`, its per-row scale [out, 1] for int8 else None). A bf16
+    weight already bf16 is kept as it is unless `own` (a copy: see `store`)."""
     if dtype == "bfloat16":
-        return torch.nn.Parameter(weight.to(torch.bfloat16), requires_grad=False), None
+        return torch.nn.Parameter(weight.to(torch.bfloat16, copy=own), requires_grad=False), None
     scale = weight.abs().amax(dim=1, keepdim=True).float().clamp_(min=torch.finfo(torch.float32).tiny) / INT8_MAX
     q = torch.round(weight.float() / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return torch.nn.Parameter(q, requires_grad=False), scale
@@ -103,7 +106,13 @@ def narrow(weight: torch.Tensor, dtype: str) -> tuple[torch.nn.Parameter, torch.
 
 def store(model: Any, dtype: str) -> None:
     """Store `model`'s frozen Linear and Embedding weights as `dtype` (module docstring), in place.
-    float32 leaves the model as it is. Call after the adapter is attached."""
+    float32 leaves the model as it is. Call after the adapter is attached.
+
+    A base loaded in bf16 from safetensors is views of the file's mapping: bfloat16 keeps them
+    (the mapping is the storage); int8 copies what it keeps in bf16 (embeddings, output layer,
+    biases), so no view is left and the mapping, whose every page quantizing read, goes: 2.9 GiB
+    of resident memory at the 1.5B shape (bench/memory.py's loaded_file)."""
+    own = dtype == "int8"
     if dtype == "float32":
         return
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -114,10 +123,10 @@ def store(model: Any, dtype: str) -> None:
         if module is head:
             head_name = name
         elif type(module) in (torch.nn.Linear, torch.nn.Embedding) and not module.weight.requires_grad:
-            swaps[name] = new = FrozenEmbedding(module) if module is emb else FrozenLinear(module, dtype)
+            swaps[name] = new = FrozenEmbedding(module, own) if module is emb else FrozenLinear(module, dtype, own=own)
             emb = new if module is emb else emb
     if head_name is not None and not head.weight.requires_grad:  # bf16 in every mode: the chunked head reads it
-        swaps[head_name] = FrozenLinear(head, "bfloat16", weight=emb.weight if tied else None)
+        swaps[head_name] = FrozenLinear(head, "bfloat16", weight=emb.weight if tied else None, own=own)
     for name, new in swaps.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new)

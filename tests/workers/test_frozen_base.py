@@ -132,3 +132,15 @@ def test_a_trainer_loads_a_narrow_base_in_bf16_and_computes_in_fp32(tmp_path, ba
     mb = build_micro_batch(batch, list(range(len(batch))), torch.zeros(len(batch)), trainer.pad_id, "cpu")
     wide = make_trainer(tmp_path / "fp32", "float32")
     assert (trainer.logprobs(mb) - wide.logprobs(mb)).abs().max() < LOGP_ATOL["bfloat16"]
+
+
+def test_an_int8_base_keeps_no_view_of_the_loaded_weights() -> None:
+    """A bf16-loaded base is views of its safetensors file's mapping: int8 keeps none of them (the
+    mapping can go), bfloat16 keeps them as its storage (no copy)."""
+    for dtype, shared in (("int8", False), ("bfloat16", True)):
+        model, _ = load_model(TINY, seed=SEED, dtype="bfloat16")
+        lora.attach(model, settings(*LORA).lora, TINY)
+        loaded = {p.untyped_storage().data_ptr() for p in model.parameters() if not p.requires_grad}
+        frozen_base.store(model, dtype)
+        kept = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        assert bool(kept & loaded) is shared, dtype
