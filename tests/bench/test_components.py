@@ -10,6 +10,16 @@ import torch
 pytestmark = pytest.mark.slow
 
 
+TRAIN_REPLY_TOKENS = 16
+"""--completion-tokens of the train_step run: the uniform batch's replies (64 by default). A CPU
+without native bf16 emulates the bf16 variants' matmuls, so their update time grows with the reply
+tokens (an update of the uniform batch: ~7x shorter at 16); the rows, mixes and padding checked
+are the same."""
+OVERLAP_REPLY_TOKENS = 4
+"""--completion-tokens of the overlap run: its checks are on ratios of the times it measures,
+whatever the reply length (16 by default: every phase of the run several times longer)."""
+
+
 @pytest.fixture
 def keep_threads():
     """The benchmarks set torch's thread count; give the rest of the session its own back."""
@@ -21,7 +31,7 @@ def keep_threads():
 def test_train_step_quick(tmp_path, capsys, keep_threads) -> None:
     from bench import train_step
 
-    assert train_step.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert train_step.main(["--quick", "--completion-tokens", str(TRAIN_REPLY_TOKENS), "--out", str(tmp_path)]) == 0
     table = capsys.readouterr().out
     assert "fp32" in table and "bf16-shared" in table and "mixed" in table
     res = json.loads((tmp_path / "results.json").read_text())
@@ -30,7 +40,7 @@ def test_train_step_quick(tmp_path, capsys, keep_threads) -> None:
                          for v in train_step.VARIANTS}
     assert all(r["seconds"] > 0 and r["tokens_per_s"] > 0 for r in res["rows"])
     uniform, mixed = res["mixes"]["uniform"], res["mixes"]["mixed"]
-    assert uniform["completion_tokens"] == train_step.QUICK_SEQS * train_step.COMPLETION_TOKENS
+    assert uniform["completion_tokens"] == train_step.QUICK_SEQS * TRAIN_REPLY_TOKENS
     assert mixed["reply_lengths"] == list(train_step.MIXED_REPLY_TOKENS[0])  # one group of 8
     # padded rows compute the gaps of the mixed replies; a packed group computes each token once
     assert rows[1, "mixed", "bf16"]["computed_per_token"] > 3
@@ -69,7 +79,7 @@ def test_overlap_quick(tmp_path, capsys, keep_threads) -> None:
     from bench import overlap
 
     assert overlap.main(["--quick", "--rollout-quantize", "int8", "--turn-threads", "2",
-                         "--out", str(tmp_path)]) == 0
+                         "--completion-tokens", str(OVERLAP_REPLY_TOKENS), "--out", str(tmp_path)]) == 0
     assert "slowdown" in capsys.readouterr().out
     res = json.loads((tmp_path / "results.json").read_text())
     trainer, rollout = res["rows"]
