@@ -123,9 +123,12 @@ class Peak:
 
     def held(self) -> dict[str, int]:
         """CUDA: the most the allocator held from the device (reserved: what another process on
-        the same GPU cannot have); {} on a CPU."""
+        the same GPU cannot have). CPU: the resident pages of mapped files now (RssFile), the
+        model's safetensors file among them: transformers keeps it mapped after the load, and a
+        narrowed base (lora.base_dtype) has read all of it; VmHWM counts these clean pages, which
+        the kernel may drop, with the process's own."""
         if not self.cuda:
-            return {}
+            return {"file_now": status_kib("RssFile") * 1024}
         import torch
 
         return {"peak_reserved": torch.cuda.max_memory_reserved()}
@@ -166,7 +169,7 @@ def trainer_step(cfg: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         trainer = Trainer(settings.to_dict(), store.root)
         load_s = time.perf_counter() - t0
-        load_peak, loaded = peak.peak(), peak.now()
+        load_peak, loaded, loaded_file = peak.peak(), peak.now(), peak.held().get("file_now")
         trainer._fast_head = cfg["head"] == "chunked"  # full: the model's own [n x L, V] logits
         batch = samples(cfg["tokens"], len(trainer.tokenizer))
         peak.reset()
@@ -175,7 +178,8 @@ def trainer_step(cfg: dict[str, Any]) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
         step_s = time.perf_counter() - t0
-        return {"load_peak": load_peak, "loaded": loaded, "peak": peak.peak(), **peak.held(), "step_s": step_s,
+        return {"load_peak": load_peak, "loaded": loaded, "loaded_file": loaded_file, "peak": peak.peak(),
+                **peak.held(), "step_s": step_s,
                 "load_s": load_s, "stored_bytes": frozen_base.stored_bytes(trainer.model),
                 "trainable": sum(p.numel() for p in trainer.params), "trained_tokens": stats["tokens"],
                 "loss_finite": stats["loss"] == stats["loss"]}
@@ -435,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     path = args.out / "results.json"
     if args.mode == "e2e":
-        res = e2e(args)
+        res = {**e2e(args), "command": command_line(__file__, argv)}
         print(json.dumps(res, indent=2))
         old = json.loads(path.read_text()) if path.exists() else {}
         old.pop("provenance", None)
