@@ -5,13 +5,15 @@
 #   bench/gpu.sh OUT MODEL_DIR [decode] [sync] [memory]   (no part named: all three)
 #
 # MODEL_DIR: a model's config.json and tokenizer files (weights random: the shape is what is
-# measured), e.g. written by `python bench/shapes.py smollm2-135m DIR`. Needs a CUDA GPU, torch
+# measured), e.g. bench/out/shapes/smollm2-135m as `python bench/shapes.py smollm2-135m` writes it
+# (weights too, which the decode bench ignores). Needs a CUDA GPU, torch
 # and transformers; run from a checkout (the package importable). Each part writes its results
 # JSON and log under OUT:
 #   decode  bench/rollout_throughput.py in bf16, 256 sequences x 64 new tokens, 128 slots: the
 #           engine (dynamic and static decode, with and without weight updates) against
 #           transformers' generate, eager and with a static cache and a compiled decode step;
-#           the weight bytes read per second against a device-to-device copy's bandwidth
+#           the weight bytes read per second against a device-to-device copy's bandwidth; and
+#           bench/decode_step.py: one replayed step alone, eager, dynamic, and with the host's look
 #   sync    bench/weight_sync.py: publish + load of one version through /dev/shm, bf16 rollout
 #   memory  bench/memory.py --device cuda: peak memory of a trainer step and of the rollout
 #           worker at the SmolLM2-135M, Qwen2.5-0.5B and Qwen2.5-1.5B shapes
@@ -28,7 +30,9 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 status=0
 for part in $parts; do
   case $part in
-    decode) python3 bench/rollout_throughput.py --device cuda --dtype bfloat16 --threads 1 \
+    decode) python3 bench/decode_step.py --device cuda --dtype bfloat16 --model "$model" --random-weights \
+              --out "$out/decode_step" &&
+            python3 bench/rollout_throughput.py --device cuda --dtype bfloat16 --threads 1 \
               --sequences 256 --max-batch 128 --no-hf-cb --model "$model" --random-weights \
               --only engine,engine+updates,engine/static,engine/static+updates,engine/static/wait4,generate/b128,generate/b128/static \
               --out "$out/decode" ;;
