@@ -133,17 +133,10 @@ async def test_crash_inside_a_worker_reaches_the_controller_with_its_traceback(t
 
 
 def test_cli_run_and_ctrl_c(tmp_path):
+    """Ctrl-C stops a CLI run (130, its workers and /dev/shm folder gone); a CLI run that ends by
+    itself is checked by the Parquet run below."""
     name = f"e2e-cli-{os.getpid()}"
     sets = [arg for kv in TINY + [f"run.name={name}"] for arg in ("--set", kv)]
-    done = subprocess.run([sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"), *sets,
-                           "--set", "run.max_steps=2", "--out", str(tmp_path / "cli")],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert '"steps": 2' in done.stdout
-    summary = orjson.loads((tmp_path / "cli" / "summary.json").read_bytes())
-    assert summary["steps"] == 2
-    assert (tmp_path / "cli" / "settings.toml").read_text().count("embedded:tiny-random") == 1
-
     proc = subprocess.Popen([sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"), *sets,
                              "--set", "run.max_steps=100000", "--out", str(tmp_path / "int")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -292,7 +285,8 @@ def short(task, completion, limit):
 
 def test_cli_trains_on_parquet_chats_with_a_weighted_reward_of_its_own(tmp_path):
     """No script: chat rows with a system turn and a column in a Parquet file, a reward module in
-    the current folder named in settings (scored in the pool's processes), each reward logged."""
+    the current folder named in settings (scored in the pool's processes), each reward logged.
+    Also the CLI's run to its end: exit 0, the summary on stdout, the resolved settings written."""
     import pyarrow
     import pyarrow.parquet
 
@@ -307,8 +301,10 @@ def test_cli_trains_on_parquet_chats_with_a_weighted_reward_of_its_own(tmp_path)
     done = subprocess.run([sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"), *sets,
                            "--out", "run"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    assert '"steps": 2' in done.stdout
     summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
     assert summary["steps"] == 2 and summary["reward_failures"] == 0
+    assert (tmp_path / "run" / "settings.toml").read_text().count("embedded:tiny-random") == 1
     steps = [orjson.loads(x) for x in (tmp_path / "run" / "steps.jsonl").read_bytes().splitlines()]
     assert all(r["reward_mean"] == pytest.approx(r["reward/answer"] + 0.5 * r["reward/short"]) for r in steps)
     assert all("reward/short" in r for r in summary["eval_curve"])
@@ -339,9 +335,13 @@ orch = Orchestrator(settings, tasks=itertools.cycle(tasks), eval_set=held_out, r
 print(asyncio.run(orch.run())["steps"])
 """
 EXACT = TINY + ["run.mode=sync", "run.checkpoint_every=3", "rollout.max_batch=1", "rollout.temperature=1.0",
-                "trainer.lr=3e-2", "task.eval_every=2"]
+                "trainer.lr=3e-2", "task.eval_every=2", "rollout.max_new_tokens=6"]
 """max_batch = 1: every row decodes alone, so its logits are bitwise the same however requests
-arrive (a batched step's differ by ~1e-6 on CPU, enough to flip a draw now and then)."""
+arrive (a batched step's differ by ~1e-6 on CPU, enough to flip a draw now and then). Decoding
+alone is slow: 6-token replies (rewards still spread, draws still compared token by token)."""
+EXACT_STEPS = 4
+"""Steps of the resume test's runs: the checkpoint of step 3 lies between two evals (2 and 4), and
+the resumed run trains a step and evaluates after it."""
 
 
 def child(out: Path, steps: int, how: str, sets: list[str], **kw) -> subprocess.Popen:
@@ -372,22 +372,22 @@ def trained_rows(folder: Path) -> list[tuple]:
 
 
 def test_sync_run_killed_after_a_checkpoint_and_resumed_equals_the_uninterrupted_run(tmp_path):
-    whole = child(tmp_path / "whole", 6, "new", EXACT)
-    killed = child(tmp_path / "cut", 6, "new", EXACT)
+    whole = child(tmp_path / "whole", EXACT_STEPS, "new", EXACT)
+    killed = child(tmp_path / "cut", EXACT_STEPS, "new", EXACT)
     kill_after_checkpoint(killed, tmp_path / "cut", 3)
     assert whole.wait(300) == 0, whole.stderr.read()
-    resumed = child(tmp_path / "cut", 6, "resume", EXACT)
+    resumed = child(tmp_path / "cut", EXACT_STEPS, "resume", EXACT)
     assert resumed.wait(300) == 0, resumed.stderr.read()
     a, b = (tmp_path / "whole" / "model" / "model.safetensors").read_bytes(), \
         (tmp_path / "cut" / "model" / "model.safetensors").read_bytes()
     assert a == b  # bitwise identical weights
     rows = trained_rows(tmp_path / "whole")
-    assert rows == trained_rows(tmp_path / "cut") and len(rows) == 6 * 8
+    assert rows == trained_rows(tmp_path / "cut") and len(rows) == EXACT_STEPS * 8
     assert len({r[4] for r in rows}) > 1  # a dense reward: the updates really moved the weights
     steps = [orjson.loads(x)["step"] for x in (tmp_path / "cut" / "steps.jsonl").read_bytes().splitlines()]
-    assert steps == [1, 2, 3, 4, 5, 6]
+    assert steps == [1, 2, 3, 4]
     summary = orjson.loads((tmp_path / "cut" / "summary.json").read_bytes())
-    assert [r["step"] for r in summary["eval_curve"]] == [0, 2, 4, 6]
+    assert [r["step"] for r in summary["eval_curve"]] == [0, 2, 4]
     assert summary["resumes"][0]["step"] == 3 and summary["error"] is None
 
 
