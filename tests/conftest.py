@@ -167,6 +167,13 @@ def build_step_model(folder: Path, steps: int = 150, lr: float = 1e-2) -> Path:
         torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def step_model(tmp_path_factory) -> Path:
+    """build_step_model's folder, trained once a session: the tests that run on it only read it
+    (the process-reward run and its benchmark)."""
+    return build_step_model(tmp_path_factory.mktemp("step-model"))
+
+
 def _build_step_model(folder: Path, steps: int, lr: float) -> Path:
     import torch
 

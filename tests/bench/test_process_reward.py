@@ -59,13 +59,10 @@ def test_aggregate_compares_arms_at_the_end_and_at_equal_tokens():
 
 
 @pytest.mark.slow
-def test_process_reward_quick_end_to_end_with_a_model_that_writes_steps(tmp_path):
-    from tests.conftest import build_step_model
-
-    model = build_step_model(tmp_path / "model")
+def test_process_reward_quick_end_to_end_with_a_model_that_writes_steps(tmp_path, step_model):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, "bench/process_reward.py", "--quick", "--model", str(model),
+    proc = subprocess.run([sys.executable, "bench/process_reward.py", "--quick", "--model", str(step_model),
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())

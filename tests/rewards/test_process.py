@@ -297,16 +297,14 @@ async def test_a_resumed_run_continues_the_continuation_counters_and_scores_alik
 
 
 @pytest.mark.slow
-async def test_process_mode_on_the_real_workers_scores_steps_and_counts_continuations(tmp_path):
+async def test_process_mode_on_the_real_workers_scores_steps_and_counts_continuations(tmp_path, step_model):
     from tests.conftest import STEP_PROMPTS as PROMPTS
     from tests.conftest import STEP_REPLY as REPLY
-    from tests.conftest import build_step_model
 
-    model = build_step_model(tmp_path / "model")
     answers = ("4", "5")  # the model always answers 4: one task right, one wrong
     tasks = itertools.cycle([Task(f"t{i}", p, a) for i, (p, a) in enumerate(zip(PROMPTS, answers, strict=True))])
     settings = build_settings({}, [
-        f"model.path={orjson.dumps(str(model)).decode()}", "process.mode=process",
+        f"model.path={orjson.dumps(str(step_model)).decode()}", "process.mode=process",
         "process.continuations=2", "process.max_scored_steps=2", "rollout.max_new_tokens=40",
         "rollout.group_size=4", "trainer.batch_size=8", "run.max_steps=2", "task.eval_every=2",
         "run.progress=false", "run.checkpoint_every=0", "controller.reward_procs=0", "trainer.bf16=false"])
