@@ -167,24 +167,6 @@ def test_concurrent_requests_abort_and_clean_shutdown(spawn, weights):
     assert "stray print from python" in log and "stray write to fd 1" in log
 
 
-def test_a_request_with_a_prefix_continues_the_reply_after_it(spawn, weights):
-    """A process-reward continuation: chat template + prefix is the prompt, only what follows
-    is the completion, and its log-probs are conditioned on the prefix."""
-    models, tok, _ = weights
-    w = spawn()
-    prefix = "Step 1: 2 + 3 = 5\n"
-    w.send(wire.Generate("p0.0.0.1.0", "Calculate 2 + 3 - 1.", 6, 0.0, prefix=prefix))
-    w.send(wire.Generate("plain", "Calculate 2 + 3 - 1.", 6, 0.0))
-    done, _ = w.collect(2)
-    c, plain = done["p0.0.0.1.0"], done["plain"]
-    assert c.prompt_ids == encode_prompt(tok, "Calculate 2 + 3 - 1.") + tok.encode(prefix, add_special_tokens=False)
-    assert c.prompt_ids == encode_prompt(tok, "Calculate 2 + 3 - 1.", prefix=prefix)
-    assert plain.prompt_ids == c.prompt_ids[:len(plain.prompt_ids)] and len(c.prompt_ids) > len(plain.prompt_ids)
-    assert len(c.completion_ids) == 6 and c.text == tok.decode(c.completion_ids, skip_special_tokens=True)
-    _check_logprobs(models, c)
-    assert w.shutdown() == 0
-
-
 def test_interrupting_update_versions_tokens_and_rebuilds(spawn, weights):
     models, _, path = weights
     w = spawn("rollout.interrupt=true", "rollout.max_batch=8", "rollout.chunk_tokens=2")
@@ -262,9 +244,26 @@ def test_a_crash_reaches_the_parent_as_error_with_traceback(spawn, tmp_path):
     assert w.recv() is None and w.proc.wait(timeout=REPLY_TIMEOUT_S) == 1
 
 
+def check_prefix_continues_the_reply(w: WorkerProcess, models: dict, tok, system: str) -> None:
+    """A process-reward continuation: chat template + prefix is the prompt, only what follows
+    is the completion, and its log-probs are conditioned on the prefix (`system`: the worker's
+    model.system_prompt)."""
+    prefix = "Step 1: 2 + 3 = 5\n"
+    w.send(wire.Generate("p0.0.0.1.0", "Calculate 2 + 3 - 1.", 6, 0.0, prefix=prefix))
+    w.send(wire.Generate("no-prefix", "Calculate 2 + 3 - 1.", 6, 0.0))
+    done, _ = w.collect(2)
+    c, plain = done["p0.0.0.1.0"], done["no-prefix"]
+    assert c.prompt_ids == encode_prompt(tok, "Calculate 2 + 3 - 1.", system) + tok.encode(prefix, add_special_tokens=False)
+    assert c.prompt_ids == encode_prompt(tok, "Calculate 2 + 3 - 1.", system, prefix=prefix)
+    assert plain.prompt_ids == c.prompt_ids[:len(plain.prompt_ids)] and len(c.prompt_ids) > len(plain.prompt_ids)
+    assert len(c.completion_ids) == 6 and c.text == tok.decode(c.completion_ids, skip_special_tokens=True)
+    _check_logprobs(models, c)
+
+
 def test_a_chat_is_templated_whole_with_its_system_turn(spawn, weights):
     """Generate.messages (a chat task) goes through the chat template as it is, its own system
-    turn in place of model.system_prompt's; a plain prompt still gets model.system_prompt."""
+    turn in place of model.system_prompt's; a plain prompt still gets model.system_prompt. The
+    same worker then continues a reply after a prefix (check_prefix_continues_the_reply)."""
     models, tok, _ = weights
     chat = [{"role": "system", "content": "Reply with a number."},
             {"role": "user", "content": "Calculate 1 + 1."}, {"role": "assistant", "content": "2"},
@@ -281,4 +280,5 @@ def test_a_chat_is_templated_whole_with_its_system_turn(spawn, weights):
     assert text["user"].startswith("<|im_start|>system\nBe brief.") and text["user"].count("<|im_start|>user") == 2
     assert done["plain"].prompt_ids == encode_prompt(tok, "Calculate 2 + 2.", "Be brief.")
     _check_logprobs(models, done["chat"])
+    check_prefix_continues_the_reply(w, models, tok, "Be brief.")
     assert w.shutdown() == 0
