@@ -64,14 +64,14 @@ async def test_loop_lag_is_the_loops_not_the_monitors_own_flush(tmp_path, monkey
     flush = RunLog.flush
 
     async def slow_flush(self):
-        await asyncio.sleep(0.4)  # a write that takes a while; the loop is free meanwhile
+        await asyncio.sleep(0.5)  # a write that takes a while; the loop is free meanwhile
         await flush(self)
 
     monkeypatch.setattr(controller, "PROGRESS_PERIOD_S", 0.0)
     monkeypatch.setattr(RunLog, "flush", slow_flush)
     settings = make_settings("sync", **{"run.max_steps": 2})
-    summary = await orchestrator(tmp_path, settings, trainer=FakeTrainer(step_delay_s=0.3)).run()
-    assert summary["wall_s"] > 0.5 and summary["loop_lag_max_ms"] < 250
+    summary = await orchestrator(tmp_path, settings, trainer=FakeTrainer(step_delay_s=0.4)).run()
+    assert summary["wall_s"] > 0.7 and summary["loop_lag_max_ms"] < 300  # it counted 500+
 
 
 @pytest.mark.parametrize("workers", WORKERS)
