@@ -85,7 +85,7 @@ class Endpoint:
 
     async def start(self) -> None:
         """Listen; `root` is known from here on (a wildcard host named by this machine's name,
-        looked up once: getfqdn may ask DNS, which blocks the loop)."""
+        looked up once, in a thread: getfqdn may ask DNS, which would block the loop)."""
         app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._errors])
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/{episode}/v1/models", self._models)
@@ -97,7 +97,8 @@ class Endpoint:
         await site.start()
         self.port = self._runner.addresses[0][1]
         host = self.settings.host
-        host = socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+        if host in ("0.0.0.0", "::", ""):
+            host = await asyncio.get_running_loop().run_in_executor(None, socket.getfqdn)
         self.root = f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     async def stop(self) -> None:
