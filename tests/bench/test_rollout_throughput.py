@@ -21,7 +21,12 @@ def test_quick_bench_writes_results_and_plot(tmp_path):
     assert (tmp_path / "rollout_throughput.png").stat().st_size > 0
     rows = {r["method"]: r for r in results["rows"]}
     assert set(rows) == {"engine", "engine+updates", "engine+updates/keep", "engine/int8", "engine/int8+updates",
-                         "engine/int8+updates/keep", "generate/b8", "generate/b32"}
+                         "engine/int8+updates/keep", "engine/static", "engine/static+updates",
+                         "engine/static/wait4", "generate/b8", "generate/b32"}
+    # the static path on a CPU: eager steps, no graph captured, the same float32 drift as the engine's
+    assert rows["engine/static"]["graphs"] == 0 and rows["engine/static"]["graph_error"] is None
+    assert rows["engine/static"]["mismatch_kl"] < rows["engine/int8"]["mismatch_kl"]
+    assert rows["engine/static+updates"]["updates"] == rows["engine+updates"]["updates"]
     assert 0 <= 10 * rows["engine"]["mismatch_kl"] < rows["engine/int8"]["mismatch_kl"] < 0.1
     assert rows["engine/int8+updates"]["updates"] > 0
     for row in rows.values():
