@@ -283,7 +283,8 @@ class Conversation:
         if self._history is not None and request.tools == self._tools and extends(self._history, request.messages):
             for m in request.messages[len(self._history):]:
                 model.add_turn(m.role, m.text())
-        else:
+        else:  # start leaves the sequence _history names: none to extend until this reply comes
+            self._history = None  # (a call whose reply fails or is cancelled leaves none)
             model.start(chat_of(request))
             self.sequences += 1
         try:

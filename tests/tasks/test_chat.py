@@ -4,6 +4,7 @@ rendered and parsed, the response's fields."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -22,13 +23,19 @@ CALL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool
 
 class Policy:
     """A Model's request as the fake rollout worker answers it (one id per byte of the chat, each
-    reply's ids 100k + j): `replies` are its texts in order; `asks` every Generate."""
+    reply's ids 100k + j): `replies` are its texts in order; `asks` every Generate answered.
+    A call made while `hold` is set waits on it before it is answered (`held` says one did)."""
 
     def __init__(self, *replies: str) -> None:
         self.replies = list(replies)
         self.asks: list[wire.Generate] = []
+        self.hold: asyncio.Event | None = None
+        self.held = False
 
     async def __call__(self, ask) -> wire.Completion:
+        if self.hold is not None:
+            hold, self.hold, self.held = self.hold, None, True
+            await hold.wait()
         msg = ask.generate(f"r{len(self.asks)}", TASK, 1.0, 1.0)
         k = len(self.asks)
         self.asks.append(msg)
@@ -198,3 +205,23 @@ def test_tool_choice_none_offers_no_tools_and_a_named_one_is_asked_for():
     assert ask(USER, tools=TOOLS, tool_choice="none").tools == ()
     chat_ = chat.chat_of(ask(USER[1:], tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}))
     assert chat_[0]["role"] == "system" and chat_[0]["content"].endswith("Call the function add.")
+
+
+async def test_a_call_that_starts_a_sequence_and_fails_leaves_none_to_extend():
+    """The agent rewrites its history, that call is cancelled (its client went away), and the
+    agent goes back to extending the first history: the first sequence is kept and trained,
+    and the call starts a sequence of its own instead of adding turns to the empty new one."""
+    conv, policy = conversation("It is", "Again")
+    first = await conv.complete(ask(USER))
+    rewrite = asyncio.create_task(conv.complete(ask(USER[1:])))
+    policy.hold = asyncio.Event()
+    while not policy.held:
+        await asyncio.sleep(0)
+    rewrite.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await rewrite
+    again = USER + [first["choices"][0]["message"], {"role": "user", "content": "Go on."}]
+    body = await conv.complete(ask(again))
+    assert body["choices"][0]["message"]["content"] == "Again" and conv.model.replies == 2
+    assert policy.asks[-1].context_ids is None and policy.asks[-1].messages == chat.chat_of(ask(again))
+    assert [t.mask for t in conv.model.sequences] == [[1] * 5, [1] * 5]
