@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,6 +22,7 @@ from areal_aio.rewards.scoring import (
     same_answer,
 )
 from areal_aio.settings import SettingsError, build_settings
+from areal_aio.tasks.episode import Transcript
 from areal_aio.tasks.task import Task
 from tests.conftest import ROOT
 
@@ -160,6 +162,7 @@ HUNG = """
 import asyncio, sys, time
 sys.path.insert(0, {tests!r})  # the repository: tests.conftest
 from areal_aio.rewards.scoring import Scorer
+from areal_aio.tasks.episode import Transcript
 from areal_aio.tasks.task import Task
 from tests.conftest import hangs
 
@@ -389,6 +392,12 @@ async def test_an_episode_returning_a_huge_reward_scores_zero_as_a_failure():
     async def episode(task, model):
         return 1e308
 
-    model = type("Replied", (), {"transcript": type("T", (), {"replies": 1})(), "sequences": lambda self: []})()
+    async def sane(task, model):
+        return 1.0
+
+    # what play reads of a Model: a transcript whose last reply is in (no NoReply)
+    model = SimpleNamespace(transcript=Transcript(last=episodes.no_reply("g0.0.r0")))
+    assert await episodes.play(sane, T, model, timeout_s=5) == (Score(1.0, True), None)  # the fake is enough
     score, failure = await episodes.play(episode, T, model, timeout_s=5)
     assert score.failed and score.reward == 0.0 and failure is not None
+    assert isinstance(failure, TypeError) and "within" in str(failure), failure  # the range, not another error
