@@ -236,8 +236,9 @@ def parse_tool_calls(text: str, names: set[str], prefix: str) -> tuple[str | Non
         name, args = call
         calls.append({"id": f"{prefix}-{len(calls)}", "type": "function",
                       "function": {"name": name, "arguments": args}})
-    content = ("".join(kept) + text[at:]).strip() if calls else text
-    return (content or None) if calls else text, calls
+    if not calls:
+        return text, calls
+    return ("".join(kept) + text[at:]).strip() or None, calls
 
 
 def _parsed_call(body: str, names: set[str]) -> tuple[str, str] | None:
@@ -292,7 +293,8 @@ class Conversation:
         except EpisodeLimit as exc:
             code = "episode_limit" if model.replies_left <= 0 else "context_length_exceeded"
             raise ChatError(400, str(exc), param="messages", code=code) from None
-        last = model.transcript.last
+        seq = model.transcript
+        last = seq.last
         self.calls += 1
         content, calls, finish = self._answer(text, last.finish, request)
         self._history = (*request.messages, Message("assistant", content or "", tuple(
@@ -306,7 +308,7 @@ class Conversation:
         if request.logprobs:  # one dict per token: built only for a client that asks
             logprobs = {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
                                     for t, lp in zip(last.completion_ids, last.logprobs, strict=True)]}
-        prompt_tokens = len(model.transcript.context_ids) - len(last.completion_ids)
+        prompt_tokens = len(seq.prompt_ids) + len(seq.completion_ids) - len(last.completion_ids)  # no copy of the ids
         return {"id": f"chatcmpl-{self._prefix}-{self.calls}", "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish,

@@ -63,9 +63,11 @@ async def test_a_call_that_extends_the_last_continues_from_its_ids():
     assert first["choices"][0]["message"] == {"role": "assistant", "content": "It is"}
     assert policy.asks[0].messages == USER and policy.asks[0].context_ids is None
     again = USER + [first["choices"][0]["message"], {"role": "user", "content": "Go on."}]
-    await conv.complete(ask(again))
+    second = await conv.complete(ask(again))
     t = conv.model.transcript
     assert policy.asks[1].context_ids == t.prompt_ids + [0, 1, 2, 3, 4]  # the reply's own ids, not its text
+    assert second["usage"] == {"prompt_tokens": len(t.context_ids) - 3, "completion_tokens": 3,
+                               "total_tokens": len(t.context_ids)}  # the prompt: all ids before the reply
     assert policy.asks[1].append == [{"role": "user", "content": "Go on."}]
     assert t.mask == [1] * 5 + [0] * len("<user>Go on.\n<assistant>") + [1] * 3
     assert conv.sequences == 1 and conv.model.earlier == []
