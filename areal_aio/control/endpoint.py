@@ -76,6 +76,7 @@ class Endpoint:
     def __init__(self, settings: EndpointSettings, key: str = "", counts: Counts | None = None) -> None:
         self.settings = settings
         self.key = key
+        self._authorization = f"Bearer {key}".encode()  # the header a request must carry (key set)
         self.counts = counts if counts is not None else Counts()  # its answers: the run's counts
         self.port = 0
         self.root = ""  # http://host:port, set by start
@@ -183,7 +184,10 @@ class Endpoint:
         return _response({"ok": True})
 
     def _check_key(self, request: web.Request) -> None:
-        if self.key and request.headers.get("Authorization", "") != f"Bearer {self.key}":
+        """401 unless the request carries the key (compared in constant time: no timing says
+        how much of a guess was right)."""
+        if self.key and not secrets.compare_digest(
+                request.headers.get("Authorization", "").encode(errors="replace"), self._authorization):
             raise ChatError(401, "a missing or wrong API key", code="invalid_api_key",
                             kind="authentication_error")
 

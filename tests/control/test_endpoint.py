@@ -167,6 +167,10 @@ async def test_a_key_is_required_where_set_and_other_hosts_need_one(monkeypatch)
         with ep.episode(model):
             with pytest.raises(openai.AuthenticationError):
                 await client(model.base_url).chat.completions.create(model="policy", messages=USER)
+            async with httpx.AsyncClient() as raw:  # a near miss, and bytes that are no text: 401 too
+                for sent in (b"Bearer s3cre", b"Bearer s3cret\xff", "Bearer s3cr\u00e9t".encode()):
+                    r = await raw.get(f"{model.base_url}/models", headers={"Authorization": sent})
+                    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", sent
             async with model.openai(max_retries=0) as c:  # the episode's own client carries the key
                 r = await c.chat.completions.create(model="policy", messages=USER)
             assert r.choices[0].message.content == "ok"
