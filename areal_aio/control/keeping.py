@@ -155,19 +155,18 @@ class FolderState:
     @classmethod
     def of(cls, folder: Path, keep: dict[str, int]) -> FolderState:
         tails = {}
-        for path in folder.iterdir():
-            if path.is_file() and not path.is_symlink():
-                size = path.stat().st_size
-                start = min(keep.get(path.name, 0 if size < WHOLE_BYTES else size), size)
-                with open(path, "rb") as fh:
-                    fh.seek(start)
-                    tails[path.name] = (start, fh.read())
+        for path in _own_files(folder):
+            size = path.stat().st_size
+            start = min(keep.get(path.name, 0 if size < WHOLE_BYTES else size), size)
+            with open(path, "rb") as fh:
+                fh.seek(start)
+                tails[path.name] = (start, fh.read())
         return cls(folder, tails)
 
     def restore(self) -> None:
-        """Every file as it was; a file the resume made is removed."""
-        for path in self.folder.iterdir():
-            if path.is_file() and path.name not in self.tails:
+        """Every file as it was; a file the resume made is removed (a link is neither)."""
+        for path in _own_files(self.folder):
+            if path.name not in self.tails:
                 path.unlink()
         for name, (start, data) in self.tails.items():
             path = self.folder / name
@@ -175,6 +174,12 @@ class FolderState:
                 fh.seek(start)
                 fh.write(data)
                 fh.truncate()
+
+
+def _own_files(folder: Path) -> list[Path]:
+    """The plain files at the top of `folder`: what FolderState keeps and puts back. A symbolic
+    link is the user's, never a run's, and is left as it is."""
+    return [path for path in folder.iterdir() if path.is_file() and not path.is_symlink()]
 
 
 class Keeper:

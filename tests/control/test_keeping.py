@@ -65,3 +65,42 @@ def test_the_controllers_part_of_a_checkpoint_comes_back_as_it_was_saved():
     assert keeping.RunState.of(SimpleNamespace(state=saved)) == state
     fresh = keeping.RunState.of(None)
     assert fresh == keeping.RunState() and fresh.step == fresh.version == 0 and fresh.commit_wall == {0: 0.0}
+
+
+def test_a_refused_resume_puts_the_folder_back_and_leaves_a_link_of_the_users(tmp_path):
+    """FolderState: the counted rows' tail and each small file come back, a file the resume made
+    goes, and a symbolic link (the user's, outside what a run writes) is left where it was."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "steps.jsonl").write_bytes(b'{"step": 1}\n{"step": 2}\n')
+    (folder / "summary.json").write_bytes(b'{"ended": "completed"}')
+    (tmp_path / "notes.txt").write_text("mine")
+    (folder / "notes.txt").symlink_to(tmp_path / "notes.txt")
+    before = keeping.FolderState.of(folder, {"steps.jsonl": len(b'{"step": 1}\n')})
+    (folder / "steps.jsonl").write_bytes(b'{"step": 1}\n')  # the resume cut the rows back ...
+    (folder / "summary.json").write_bytes(b'{"ended": "failed: ..."}')  # ... and failed
+    (folder / "trainer.log").write_text("refused")
+    before.restore()
+    assert (folder / "steps.jsonl").read_bytes() == b'{"step": 1}\n{"step": 2}\n'
+    assert (folder / "summary.json").read_bytes() == b'{"ended": "completed"}'
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt", "steps.jsonl", "summary.json"]
+    assert (folder / "notes.txt").is_symlink() and (folder / "notes.txt").read_text() == "mine"
+
+
+def test_the_trainers_own_refusal_of_a_checkpoint_is_read_as_one(tmp_path):
+    """refused_resume reads what the real trainer sends (workers/common.py's "Type: message" of
+    load_state's ValueError), not only the fakes' copy of it; another trainer failure is not one."""
+    import pytest
+
+    from areal_aio.fleet.client import worker_failed
+    from areal_aio.workers.trainer.checkpoint import load_state
+
+    (tmp_path / "state.json").write_text('{"version": 3, "base": {"path": "b", "sha256": "0123456789abcdef"}}')
+    with pytest.raises(ValueError) as info:
+        load_state(SimpleNamespace(lora=None), tmp_path)  # full weights against a LoRA checkpoint
+    sent = wire.Error(role="trainer", message=f"{type(info.value).__name__}: {info.value}", traceback="")
+    why = keeping.refused_resume(ExceptionGroup("run", [worker_failed("trainer", sent)]))
+    assert why == f"{tmp_path} holds a LoRA adapter; this trainer has lora.rank = 0"
+    other = wire.Error(role="trainer", message="RuntimeError: CUDA out of memory", traceback="")
+    assert keeping.refused_resume(worker_failed("trainer", other)) is None
+    assert keeping.refused_resume(worker_failed("rollout", sent)) is None
