@@ -133,7 +133,7 @@ def offline(tmp_path, monkeypatch):
 
     monkeypatch.setenv("AREAL_AIO_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setattr(code_tasks, "_package_dir", lambda name: None, raising=False)  # none installed
+    monkeypatch.setattr(code_tasks, "_package_dir", lambda name: None)  # none installed
     code_tasks.humaneval_rows.cache_clear()
     yield code_tasks
     code_tasks.humaneval_rows.cache_clear()
