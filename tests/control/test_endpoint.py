@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import socket
+import tomllib
 
 import httpx
 import openai
@@ -25,7 +26,7 @@ from areal_aio.tasks import calculator_openai, chat
 from areal_aio.tasks.calculator import calculate
 from areal_aio.tasks.episode import Bounds, Model
 from areal_aio.tasks.task import Task
-from tests.conftest import make_settings, orchestrator
+from tests.conftest import ROOT, make_settings, orchestrator
 from tests.control.test_episodes import rows
 
 USER = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -247,35 +248,25 @@ async def same_through_model_reply(task: Task, model: Model) -> None:
         text = await model.reply()
 
 
-async def trained(tmp_path, episode, policy=tool_call_policy) -> tuple[dict, list[wire.TrainSample], Endpoint | None]:
+async def trained(tmp_path, episode, policy=tool_call_policy) -> tuple[dict, list[wire.TrainSample]]:
+    """A 2-step sync run of `episode` on the fake workers: its summary and every trained sample."""
     trainer = FakeTrainer()
     settings = make_settings("sync", **{"run.max_steps": 2, "task.eval_every": 100})
     orch = orchestrator(tmp_path, settings, FakeRollout(policy=policy, continuation=answer_tool_value,
                                                         tokens=6), trainer, episode=episode)
-    seen = []
-    play = endpoint.Endpoint.episode
-
-    def spy(self, model):
-        seen.append(self)
-        return play(self, model)
-
-    endpoint.Endpoint.episode = spy
-    try:
-        summary = await orch.run()
-    finally:
-        endpoint.Endpoint.episode = play
-    return summary, [s for b in trainer.batches for s in b.samples], (seen[0] if seen else None)
+    summary = await orch.run()
+    return summary, [s for b in trainer.batches for s in b.samples]
 
 
 async def test_the_openai_calculator_trains_and_its_tokens_are_those_of_model_reply(tmp_path):
-    summary, samples, ep = await trained(tmp_path / "a", calculator_openai.episode)
+    summary, samples = await trained(tmp_path / "a", calculator_openai.episode)
     assert summary["steps"] == 2 and summary["episode_failures"] == 0
     assert summary["endpoint_errors"] == {} and summary["endpoint_calls"] >= 2 * len(samples)
     assert all(s.reward == pytest.approx(1.2) for s in samples)  # tagged and correct: the tool's value
     for s in samples:  # reply | tool turn | reply: the turn in the context, out of the loss
         mask = s.loss_mask
         assert mask[0] == 1 and 0 in mask and mask[-1] == 1
-    _, direct, _ = await trained(tmp_path / "b", same_through_model_reply)
+    _, direct = await trained(tmp_path / "b", same_through_model_reply)
     fields = ("prompt_ids", "completion_ids", "logprobs", "versions", "loss_mask", "reward", "group")
     assert [[getattr(s, f) for f in fields] for s in samples] == [[getattr(s, f) for f in fields] for s in direct]
 
@@ -291,7 +282,7 @@ async def test_an_agent_that_rewrites_its_history_trains_each_sequence(tmp_path)
                 {"role": "system", "content": "Again."}, *first])
         return 1.0
 
-    summary, samples, _ = await trained(tmp_path, branching)
+    summary, samples = await trained(tmp_path, branching)
     assert summary["episode_failures"] == 0
     settings = make_settings("sync")
     per_step = settings.trainer.batch_size * 2  # each episode trains two samples
@@ -308,7 +299,7 @@ async def test_the_summary_counts_the_endpoints_answers_by_status(tmp_path):
                                             messages=[{"role": "user", "content": task.text}])
         return 1.0
 
-    summary, samples, _ = await trained(tmp_path, asks_another_model_first)
+    summary, samples = await trained(tmp_path, asks_another_model_first)
     assert summary["endpoint_calls"] >= len(samples) and summary["episode_failures"] == 0
     assert summary["endpoint_errors"] == {"404": summary["endpoint_calls"]}  # one per episode, eval's too
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["endpoint_errors"] == {
@@ -316,8 +307,12 @@ async def test_the_summary_counts_the_endpoints_answers_by_status(tmp_path):
 
 
 def test_the_endpoint_settings_are_documented():
+    """docs/agents.md's [endpoint] block names every setting with its default."""
     names = {f.name for f in dataclasses.fields(EndpointSettings)}
     assert {"host", "port", "key_env", "max_body_bytes", "max_concurrent", "model_name", "enabled"} <= names
+    page = (ROOT / "docs" / "agents.md").read_text()
+    block = page.split("```toml\n[endpoint]\n", 1)[1].split("```", 1)[0]
+    assert tomllib.loads(block) == dataclasses.asdict(EndpointSettings())
 
 
 # ---------------------------------------------------------------------- the real workers (slow)

@@ -27,7 +27,7 @@ def agent_policy(prompt: str, version: int) -> str:
 
 
 async def test_the_smolagents_calculator_calls_the_tool_and_is_rewarded(tmp_path):
-    summary, samples, _ = await trained(tmp_path, calculator_smolagents.episode, agent_policy)
+    summary, samples = await trained(tmp_path, calculator_smolagents.episode, agent_policy)
     assert summary["steps"] == 2 and summary["episode_failures"] == 0 and summary["endpoint_errors"] == {}
     assert samples and all(s.reward == 1.0 for s in samples)  # the tool's value was the final answer
     # smolagents sends each step back in its own words: two calls, two sequences, each one reply
