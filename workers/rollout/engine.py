@@ -43,7 +43,8 @@ from transformers.cache_utils import DynamicLayer
 from areal_aio.seeds import derive
 from areal_aio.store.safetensors_io import load_weights
 from areal_aio.wire import Completion, WeightsLoaded
-from areal_aio.workers.rollout.slots import Slots, graphs_possible, sample
+from areal_aio.workers.rollout.sampling import sample
+from areal_aio.workers.rollout.slots import Slots, slots_problem
 
 GREEDY_BELOW = 1e-5
 """A temperature under this is greedy decoding (the wire says 0; floats may arrive as 1e-9)."""
@@ -290,9 +291,9 @@ class Engine:
         self.waiting_steps = waiting_steps
         self.admitting = True  # False while draining for a non-interrupting weight update
         self.waiting: deque[_Seq] = deque()
-        if static and (why := graphs_possible(model)):
+        if static and (why := slots_problem(model)):
             raise ValueError(f"rollout.static_decode: this model cannot decode in slots: {why}")
-        self.batch: _Batch | Slots = (Slots(model, max_batch, self.cache_kw, sample, graphs) if static
+        self.batch: _Batch | Slots = (Slots(model, max_batch, self.cache_kw, graphs) if static
                                       else _Batch())
         self.seed = seed
         self._added = 0  # requests added: the default seed of a request that brings none
@@ -626,7 +627,7 @@ def _tail_buckets(seqs: list[_Seq]) -> list[list[_Seq]]:
 
 
 def _mode(seqs: list[_Seq]) -> str:
-    """How a step samples (slots.sample): "greedy" when every row is, "nucleus" when a sampled
+    """How a step samples (sampling.sample): "greedy" when every row is, "nucleus" when a sampled
     row has top_p < 1, else "sample"."""
     greedy = [s.req.temperature < GREEDY_BELOW for s in seqs]
     if all(greedy):

@@ -3,6 +3,7 @@
     uniforms(seed [B], counter [B])  -> u [B]      areal_aio.seeds.uniform, bit for bit
     nucleus(logp [B, V], top_p [B])  -> logp [B, V]
     draw(logp [B, V], u [B])         -> token [B]
+    sample(logits [B, V], mode, ..)  -> token [B], its log-prob [B]   (the three above, by mode)
 
 The engine keeps each row's seed and counter in device tensors and calls these once per decode
 step, so choosing a token never waits for the host. areal_aio.seeds is the reference (pure
@@ -69,3 +70,20 @@ def nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     logp = logp.masked_fill(drop, float("-inf"))
     return torch.log_softmax(logp, dim=-1)
+
+
+def sample(logits: torch.Tensor, mode: str, scale: torch.Tensor, top_p: torch.Tensor,
+           greedy: torch.Tensor, seed: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [B], its log-prob [B]) from logits [B, V]: `mode` "greedy" (argmax, plain softmax),
+    "sample" (softmax of logits / scale drawn with each row's uniform for `count`), "nucleus" (the
+    same restricted to each row's top_p mass); greedy rows take the argmax in every mode.
+    The Engine's dynamic path and its slots (rollout/slots.py) share it, so both pick the same tokens."""
+    if mode == "greedy":
+        logp = torch.log_softmax(logits, dim=-1)
+        token = logp.argmax(-1)
+        return token, logp.gather(1, token[:, None])[:, 0]
+    logp = torch.log_softmax(logits / scale[:, None], dim=-1)
+    if mode == "nucleus":
+        logp = nucleus(logp, top_p)
+    token = torch.where(greedy, logp.argmax(-1), draw(logp, uniforms(seed, count)))
+    return token, logp.gather(1, token[:, None])[:, 0]

@@ -18,21 +18,20 @@ join and leave, weights change (loaded in place) and requests are interrupted be
 as on the dynamic path; the captured graphs are dropped when the cache grows (a longer row
 than any before) or when a weight load put a parameter at a new address.
 
-The sampling is the dynamic path's (`Engine._sample` modes: greedy, sampled, sampled with a
+The sampling is the dynamic path's (`sampling.sample` modes: greedy, sampled, sampled with a
 nucleus), so at temperature 0 both paths pick the same tokens; where two rows' float sums
 differ in the last bits the batch shape is to blame, as between any two batchings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from areal_aio.workers.rollout.sampling import draw, nucleus, uniforms
+from areal_aio.workers.rollout.sampling import sample
 
 COLUMN_QUANTUM = 64
 """The cache's column count is a power of two of at least this: grown (and graphs recaptured)
@@ -42,7 +41,7 @@ WARMUP_STEPS = 2
 allocator warms up), as torch.cuda.graphs asks."""
 
 
-def graphs_possible(model: Any) -> str | None:
+def slots_problem(model: Any) -> str | None:
     """Why the static path cannot run `model` (None: it can): every layer full attention through
     sdpa or eager, the attention implementations that take the [B, 1, 1, T] mask as given."""
     attention = getattr(model.config, "_attn_implementation", None)
@@ -80,11 +79,8 @@ class Slots:
     token/logprob: what the last step drew. Host: seqs (slot -> _Seq or None), drawn (the
     (token, logprob) of each step since the host looked, cut to the slots in use)."""
 
-    ROWS = ("pos", "pending", "seed", "count", "scale", "top_p", "greedy")
-
-    def __init__(self, model: Any, capacity: int, cache_kw: str, sample: Callable[..., Any],
-                 use_graphs: bool) -> None:
-        self.model, self.capacity, self.cache_kw, self.sample = model, capacity, cache_kw, sample
+    def __init__(self, model: Any, capacity: int, cache_kw: str, use_graphs: bool) -> None:
+        self.model, self.capacity, self.cache_kw = model, capacity, cache_kw
         self.device = next(model.parameters()).device
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.slot_seqs: list[Any] = [None] * capacity
@@ -105,7 +101,6 @@ class Slots:
         self.graphs: dict[tuple[int, str], Any] = {}
         self.param_ptrs: tuple[int, ...] = ()
         self.graph_error: str | None = None  # why capture failed once (then eager steps)
-        self.full = True  # the Engine's _Batch interface: no mask to pass
 
     # ------------------------------------------------------------------ the _Batch interface
 
@@ -141,7 +136,7 @@ class Slots:
         need = max(len(s.req.prompt_ids) + s.req.max_new_tokens for s in fresh.seqs)
         self._fit(fresh.cache, need)
         index = torch.tensor(free, dtype=torch.long, device=self.device)
-        for name in self.ROWS:
+        for name in fresh.ROWS:  # _Batch.ROWS: the per-row tensors both layouts keep
             getattr(self, name).index_copy_(0, index, getattr(fresh, name).to(getattr(self, name).dtype))
         # each row's real columns first, in order (a stable sort of "is padding"); a shorter row
         # copies some padding past its length too, where no step looks before writing
@@ -209,9 +204,8 @@ class Slots:
         out = self.model(input_ids=self.pending[:width, None], attention_mask=mask,
                          position_ids=pos[:, None], **{self.cache_kw: self.cache}, use_cache=True,
                          logits_to_keep=1)
-        token, logprob = self.sample(out.logits[:, -1].float(), mode, self.scale[:width],
-                                     self.top_p[:width], self.greedy[:width], self.seed[:width],
-                                     self.count[:width])
+        token, logprob = sample(out.logits[:, -1].float(), mode, self.scale[:width],
+                                self.top_p[:width], self.greedy[:width], self.seed[:width], self.count[:width])
         self.token[:width].copy_(token)
         self.logprob[:width].copy_(logprob)
         self.pending[:width].copy_(token)
@@ -262,20 +256,3 @@ class Slots:
         for target, value in zip((self.pos, self.pending, self.count, self.token, self.logprob), saved,
                                  strict=True):
             target.copy_(value)
-
-
-def sample(logits: torch.Tensor, mode: str, scale: torch.Tensor, top_p: torch.Tensor,
-           greedy: torch.Tensor, seed: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token [B], its log-prob [B]) from logits [B, V]: `mode` "greedy" (argmax, plain softmax),
-    "sample" (softmax of logits / scale drawn with each row's uniform for `count`), "nucleus" (the
-    same restricted to each row's top_p mass); greedy rows take the argmax in every mode.
-    The Engine's dynamic path and the slots share it, so both pick the same tokens."""
-    if mode == "greedy":
-        logp = torch.log_softmax(logits, dim=-1)
-        token = logp.argmax(-1)
-        return token, logp.gather(1, token[:, None])[:, 0]
-    logp = torch.log_softmax(logits / scale[:, None], dim=-1)
-    if mode == "nucleus":
-        logp = nucleus(logp, top_p)
-    token = torch.where(greedy, logp.argmax(-1), draw(logp, uniforms(seed, count)))
-    return token, logp.gather(1, token[:, None])[:, 0]
