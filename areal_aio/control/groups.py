@@ -113,6 +113,11 @@ class PendingGroup:
     dropped: bool = False
     episodes: list[asyncio.Task] = dataclasses.field(default_factory=list)  # its samples' episodes
 
+    @property
+    def whole(self) -> bool:
+        """Every sample is scored and the group was not given up: it leaves `pending` now."""
+        return self.scored == len(self.samples) and not self.dropped
+
 
 class Groups:
     """Owns the admitted groups until they enter the replay buffer or are dropped: `pending`
@@ -266,7 +271,7 @@ class Groups:
             if score is None:
                 score = await self.scorer.score(sample.task, sample.completion.text)
         self.scored(sample, group, score)
-        if group.scored == len(group.samples) and not group.dropped:
+        if group.whole:
             self._count_failing(group, failure)
 
     def _count_failing(self, group: PendingGroup, last: Exception | None) -> None:
@@ -335,7 +340,7 @@ class Groups:
         sample.score = score
         self.counts.scored(score)
         group.scored += 1
-        if group.scored == len(group.samples) and not group.dropped:
+        if group.whole:
             del self.pending[sample.group_id]
             if not _fill_no_replies(group.samples):
                 self.drop(group.samples, "episode")  # no episode replied: nothing to train
