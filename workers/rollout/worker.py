@@ -37,9 +37,19 @@ from areal_aio.workers.common import EOF, Channel, configure_torch, serve
 from areal_aio.workers.models import encode_prompt, encode_turns, load_model
 from areal_aio.workers.rollout import int8
 from areal_aio.workers.rollout.engine import Engine, Request
+from areal_aio.workers.rollout.slots import slots_problem
 
 IDLE_WAIT_S = 1.0
 """Blocking wait for a message when there is nothing to generate (wakes at once on a message)."""
+
+
+def static_decode(setting: str, device: str, model: Any) -> bool:
+    """Whether the engine decodes in slots (rollout.static_decode): "on" always (a model the
+    slots cannot run is then an error: Engine); "auto" on a CUDA worker whose model they can run,
+    else the dynamic batch (a sliding-window or flash-attention model still generates); "off" never."""
+    if setting == "auto":
+        return device.startswith("cuda") and slots_problem(model) is None
+    return setting == "on"
 
 
 class RolloutWorker:
@@ -62,9 +72,9 @@ class RolloutWorker:
         load = lora.handoff(s.lora, s.model.path) if s.lora.rank else load_weights
         if s.rollout_quantize == "int8":  # generation in int8; each version requantized after its load
             load = int8.refreshing(load, int8.quantize(model))
-        static = ro.static_decode == "on" or (ro.static_decode == "auto" and self.device.startswith("cuda"))
         self.engine = Engine(model, self.tokenizer, max_batch=ro.max_batch, seed=s.run.seed, load=load,
-                             keep_kv=ro.kv_on_update == "keep", static=static)
+                             keep_kv=ro.kv_on_update == "keep",
+                             static=static_decode(ro.static_decode, self.device, model))
         self.pending: wire.UpdateWeights | None = None
 
     def run(self, channel: Channel) -> None:

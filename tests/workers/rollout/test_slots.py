@@ -4,7 +4,7 @@ The two lay out the KV cache differently (fixed slots, left-aligned, against one
 batch that is copied as rows join and leave), so they agree exactly only in float64 (in
 float32 the batch shape moves floats in the last bits, as any batch mate does): the tests
 compare them in float64, token for token. CUDA graph capture is the same step replayed; it is
-measured on a GPU by bench/gpu_decode.sh.
+measured on a GPU by bench/gpu.sh.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from areal_aio.store.weights import WeightStore
 from areal_aio.workers.models import TINY, encode_prompt, load_model
 from areal_aio.workers.rollout.engine import Engine, Request
 from areal_aio.workers.rollout.slots import COLUMN_QUANTUM, Slots
+from areal_aio.workers.rollout.worker import static_decode
 from tests.conftest import HostReads
 from tests.workers.rollout.test_engine import PROMPTS, _mixed_requests, _perturbed, run_steps
 
@@ -159,6 +160,17 @@ def test_a_model_without_full_attention_is_refused(tiny64):
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match="static_decode"):
         Engine(model, tok, static=True)
+
+
+def test_auto_decodes_in_slots_on_a_gpu_only_where_the_model_allows(tiny64):
+    """rollout.static_decode = auto never refuses a model: one the slots cannot run (here
+    flex attention; a sliding window alike) keeps the dynamic batch on a GPU too."""
+    model, _ = tiny64
+    other = copy.deepcopy(model)
+    other.config._attn_implementation = "flex_attention"
+    assert static_decode("auto", "cuda", model) and static_decode("auto", "cuda:1", model)
+    assert not static_decode("auto", "cuda", other) and not static_decode("auto", "cpu", model)
+    assert static_decode("on", "cpu", model) and not static_decode("off", "cuda", model)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (CI has none: bench/gpu.sh)")
