@@ -15,13 +15,17 @@
 #           the weight bytes read per second against a device-to-device copy's bandwidth; and
 #           bench/decode_step.py: one replayed step alone, eager, dynamic, and with the host's look
 #   sync    bench/weight_sync.py: publish + load of one version through /dev/shm, bf16 rollout
-#   memory  bench/memory.py --device cuda: peak memory of a trainer step and of the rollout
-#           worker at the SmolLM2-135M, Qwen2.5-0.5B and Qwen2.5-1.5B shapes
+#   memory  bench/memory.py --device cuda: peak memory of a 2,048-token trainer step and of the
+#           rollout worker at the Qwen2.5-0.5B and Qwen2.5-1.5B shapes, then the 1.5B steps with
+#           activation checkpointing (docs/big-models.md's two commands)
 set -uo pipefail
 out=${1:?OUT folder}
 model=${2:?MODEL_DIR}
 shift 2
 parts=${*:-decode sync memory}
+for part in $parts; do  # checked before anything runs: inside the loop's pipe an exit ends only the pipe
+  case $part in decode|sync|memory) ;; *) echo "unknown part: $part (decode | sync | memory)" >&2; exit 2 ;; esac
+done
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -37,8 +41,10 @@ for part in $parts; do
               --only engine,engine+updates,engine/static,engine/static+updates,engine/static/wait4,generate/b128,generate/b128/static \
               --out "$out/decode" ;;
     sync) python3 bench/weight_sync.py --device cuda --model "$model" --random-weights --out "$out/sync" ;;
-    memory) python3 bench/memory.py --device cuda --out "$out/memory" ;;
-    *) echo "unknown part: $part (decode | sync | memory)" >&2; exit 2 ;;
+    memory) python3 bench/memory.py --device cuda --threads 4 --shapes qwen2.5-0.5b,qwen2.5-1.5b --tokens 2048 \
+              --gen-rows 32 --gen-prompt 512 --gen-new 256 --out "$out/memory" &&
+            python3 bench/memory.py --device cuda --threads 4 --shapes qwen2.5-1.5b --tokens 2048 \
+              --variants full,lora-bf16 --checkpointing --no-rollout --no-vocab-sweep --out "$out/memory-checkpointing" ;;
   esac 2>&1 | tee "$out/$part.log" || status=1
 done
 exit $status
