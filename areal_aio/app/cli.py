@@ -127,19 +127,16 @@ def _resume(run_dir: str, settings_path: str | None, overrides: list[str], out: 
     """`run --resume`: the checkpoint's settings plus resumable overrides (CheckpointError else).
     A checkpoint the trainer refuses (an adapter on another base) is an input error: exit 2,
     and the run folder is put back as it was (keeping.FolderState)."""
+    from areal_aio.control.keeping import FolderState
     from areal_aio.store.checkpoint import latest, resume_settings
 
     if settings_path is not None or out is not None:
         raise CheckpointError("--resume takes its settings and folder from the run; "
                               "give no settings file or --out")
-    from areal_aio.control.keeping import FolderState
-
     ckpt = latest(Path(run_dir))
     settings = resume_settings(ckpt, overrides)
-    folder = ckpt.path.parent.parent
-    preflight(settings, folder, out_key="--resume")  # its rows are read again by the run
-    counted = {f"{name}.jsonl": size for name, size in ckpt.state["rows"].items()}
-    return _run(settings, None, ckpt, before=FolderState.of(folder, counted))
+    preflight(settings, ckpt.path.parent.parent, out_key="--resume")  # its rows are read again by the run
+    return _run(settings, None, ckpt, before=FolderState.at_resume(ckpt))
 
 
 def _eval(model: str, settings_path: str | None, overrides: list[str], out: str | None) -> int:

@@ -153,6 +153,13 @@ class FolderState:
     tails: dict[str, tuple[int, bytes]]  # file name -> (offset, its bytes from there)
 
     @classmethod
+    def at_resume(cls, ckpt: checkpoint.Checkpoint) -> FolderState:
+        """`ckpt`'s run folder as the resume from it finds it: its row files kept from where the
+        checkpoint counted them (what Keeper.claim cuts them back to)."""
+        rows = {f"{name}.jsonl": size for name, size in ckpt.state["rows"].items()}
+        return cls.of(ckpt.path.parent.parent, rows)
+
+    @classmethod
     def of(cls, folder: Path, keep: dict[str, int]) -> FolderState:
         tails = {}
         for path in _own_files(folder):
