@@ -8,8 +8,10 @@ garbage-collector settings), against instant fake workers (a reply's Completion 
 1. Per call: one episode's calls, 4 an episode, each extending the last (a user turn between):
    the time of `await model.reply()` against the time of the same call as an HTTP POST through
    the endpoint (an aiohttp client in the same loop, keep-alive: the server's and the client's
-   work, no network). Median and p99 of the difference; target <= 2 ms on the CPU. Beside it,
-   the same calls through the openai package's AsyncOpenAI (model.openai()), a quarter as many:
+   work, no network). Median and p99 of the difference, the two sets paired by rank (each
+   sorted: they are different calls, so there is no per-call difference); target <= 2 ms on
+   the CPU. Beside it, the same calls through the openai package's AsyncOpenAI (model.openai()),
+   a quarter as many:
    its per-call cost is the client's own, paid in the loop by an episode that uses it.
 2. The controller's loop: an Orchestrator, 256 episodes at once (groups of 8, batches of 256)
    of 4 calls each, three ways:
@@ -108,7 +110,7 @@ def percentiles(xs: list[float]) -> dict[str, float]:
 
 
 async def per_call(calls: int) -> dict:
-    """Median and p99 of (HTTP call - model.reply()) in ms, over `calls` calls of each."""
+    """Median and p99 of (HTTP call - model.reply()) in ms, over `calls` calls of each, paired by rank."""
     bounds = Bounds(CALLS_PER_EPISODE, 10_000, 60.0, 64)
     direct = []
     for _ in range(calls // CALLS_PER_EPISODE):
