@@ -11,8 +11,8 @@ garbage-collector settings), against instant fake workers (a reply's Completion 
    work, no network). Median and p99 of the difference, the two sets paired by rank (each
    sorted: they are different calls, so there is no per-call difference); target <= 2 ms on
    the CPU. Beside it, the same calls through the openai package's AsyncOpenAI (model.openai()),
-   a quarter as many:
-   its per-call cost is the client's own, paid in the loop by an episode that uses it.
+   a quarter as many: its per-call cost is the client's own, paid in the loop by an episode
+   that uses it.
 2. The controller's loop: an Orchestrator, 256 episodes at once (groups of 8, batches of 256)
    of 4 calls each, three ways:
 
