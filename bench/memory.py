@@ -16,9 +16,11 @@ chunked LM head (the trainer's) and without it; and a real run's workers (`e2e`)
     step      Trainer.train of one batch: decoupled PPO, one mini-batch: forward, backward,
               AdamW step (its moments allocated here), no publish
     rollout   the rollout worker's model (float32 on a CPU, bfloat16 on a GPU) and the Engine's
-              KV cache: --gen-rows rows decoding --gen-new tokens after --gen-prompt-token prompts
+              KV cache: --gen-rows rows decoding --gen-new tokens after prompts of --gen-prompt tokens,
+              decoded as the worker's default does (rollout.static_decode = auto: on a GPU the
+              static slots, whose cache is preallocated; the dynamic batch on a CPU)
     vocab     the head's share: qwen2.5-0.5b's shape with SmolLM2's vocabulary (49,152) beside
-              its own (151,936), lora at 2048 tokens, both heads
+              its own (151,936), lora at the largest --tokens, both heads
 
 Each configuration runs in a fresh process of its own, one after another, so peaks never mix.
 CPU: VmHWM (the kernel's high-water mark of resident memory, MALLOC_ENV set); the mark is reset (5 into
@@ -193,6 +195,7 @@ def rollout_generation(cfg: dict[str, Any]) -> dict[str, Any]:
 
     from areal_aio.workers.models import load_model
     from areal_aio.workers.rollout.engine import Engine, Request
+    from areal_aio.workers.rollout.worker import static_decode
 
     cuda = cfg["device"].startswith("cuda")
     peak = Peak(cfg["device"])
@@ -201,7 +204,8 @@ def rollout_generation(cfg: dict[str, Any]) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     load_peak, loaded = peak.peak(), peak.now()
     rows, prompt, new = cfg.get("gen") or (GEN_ROWS, GEN_PROMPT, GEN_NEW)
-    engine = Engine(model, tok, max_batch=rows)
+    static = static_decode("auto", cfg["device"], model)  # as the worker decodes by default
+    engine = Engine(model, tok, max_batch=rows, static=static)
     rng = random.Random(0)
     for i in range(rows):
         engine.add(Request(f"r{i}", [rng.randrange(len(tok)) for _ in range(prompt)], new,
@@ -216,7 +220,7 @@ def rollout_generation(cfg: dict[str, Any]) -> dict[str, Any]:
     gen_s = time.perf_counter() - t0
     new = sum(len(c.completion_ids) for c in done)
     return {"load_peak": load_peak, "loaded": loaded, "peak": peak.peak(), **peak.held(), "load_s": load_s,
-            "gen_s": gen_s, "tokens_per_s": new / gen_s, "generated": new}
+            "gen_s": gen_s, "tokens_per_s": new / gen_s, "generated": new, "static_decode": static}
 
 
 def child(cfg: dict[str, Any]) -> dict[str, Any]:
