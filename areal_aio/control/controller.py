@@ -522,6 +522,7 @@ class Orchestrator:
             await asyncio.sleep(MONITOR_PERIOD_S)
             now = time.perf_counter()
             self._lag_max = max(self._lag_max, now - expected)
+            expected = now + MONITOR_PERIOD_S
             if now - self._t0 >= self.settings.run.max_wall_s:
                 self._request_stop("max_wall")
             if now - last_progress >= PROGRESS_PERIOD_S:
@@ -530,9 +531,10 @@ class Orchestrator:
                                      pending_groups=len(self.groups.pending), live=self.admission.live,
                                      version=self.version)
                 await self.log.flush()
+                # the next probe from here: the flush waited on a write, not on a blocked loop; the
+                # redraw below does block the loop, and the next probe counts it
+                expected = time.perf_counter() + MONITOR_PERIOD_S
                 self._watch.refresh()
-            # the next probe from here: the flush above waits on a write, not on a blocked loop
-            expected = time.perf_counter() + MONITOR_PERIOD_S
 
     # ------------------------------------------------------------------ summary
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import orjson
 import pytest
@@ -72,6 +73,26 @@ async def test_loop_lag_is_the_loops_not_the_monitors_own_flush(tmp_path, monkey
     settings = make_settings("sync", **{"run.max_steps": 2})
     summary = await orchestrator(tmp_path, settings, trainer=FakeTrainer(step_delay_s=0.4)).run()
     assert summary["wall_s"] > 0.7 and summary["loop_lag_max_ms"] < 300  # it counted 500+
+
+
+async def test_loop_lag_counts_the_monitors_own_redraw(tmp_path, monkeypatch):
+    """The progress redraw after the flush runs on the loop: while it draws, nothing else runs,
+    and the lag probe says so (the flush's wait alone is left out)."""
+    from areal_aio.control import controller
+    from areal_aio.control.progress import Progress
+
+    drawn = []
+
+    def slow_refresh(self):
+        if not drawn:
+            drawn.append(True)
+            time.sleep(0.4)  # a redraw that holds the loop
+
+    monkeypatch.setattr(controller, "PROGRESS_PERIOD_S", 0.0)
+    monkeypatch.setattr(Progress, "refresh", slow_refresh)
+    settings = make_settings("sync", **{"run.max_steps": 2})
+    summary = await orchestrator(tmp_path, settings, trainer=FakeTrainer(step_delay_s=0.4)).run()
+    assert drawn and summary["loop_lag_max_ms"] >= 350
 
 
 @pytest.mark.parametrize("workers", WORKERS)
