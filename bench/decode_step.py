@@ -21,7 +21,6 @@ profiler). Results: OUT/results.json (with provenance).
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 from pathlib import Path
@@ -117,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_model(spec, seed=0, dtype=args.dtype, device=args.device, random_weights=args.random_weights)
     result = {"model": spec, "device": args.device, "dtype": args.dtype, "rows": rows,
               "prompt_tokens": args.prompt_tokens, "steps": steps,
-              **measure(copy.deepcopy(model), tok, rows, args.prompt_tokens, steps)}
+              **measure(model, tok, rows, args.prompt_tokens, steps)}
     kernels = result.pop("kernels", None)
     for key, value in result.items():
         print(f"{key:16s} {value:.3f}" if isinstance(value, float) else f"{key:16s} {value}")
