@@ -72,4 +72,3 @@ def test_the_young_generation_is_collected_less_often_only_while_the_job_runs():
     done = subprocess.run([sys.executable, "-c", GC_JOB], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["True True True", "restored after a failure True"], done.stdout + done.stderr
-
