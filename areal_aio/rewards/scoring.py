@@ -46,7 +46,7 @@ from typing import Any
 
 from areal_aio.rewards.pool import RewardPool, RewardPoolBroken
 from areal_aio.settings import CODE_REWARD, CODE_TASKS, SettingsError, TaskSettings, reward_parts
-from areal_aio.tasks.task import Task
+from areal_aio.tasks.task import Task, as_number, same_answer
 
 KEY = "task.reward"
 P = inspect.Parameter
@@ -118,23 +118,7 @@ def final_answer(text: str) -> tuple[str | None, bool]:
 
 
 def _is_number(text: str) -> bool:
-    return _as_number(text) is not None
-
-
-def _as_number(text: str) -> float | None:
-    try:
-        value = float(text.replace(",", "").strip())
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
-
-
-def same_answer(given: str, reference: str) -> bool:
-    """Numbers compare by value (7 == 7.0 == +7), anything else by trimmed, case-folded text."""
-    a, b = _as_number(given), _as_number(reference)
-    if a is not None and b is not None:
-        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
-    return given.strip().casefold() == reference.strip().casefold()
+    return as_number(text) is not None
 
 
 @dataclass(frozen=True, slots=True)

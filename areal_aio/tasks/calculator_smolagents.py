@@ -30,7 +30,7 @@ from smolagents.monitoring import LogLevel
 
 from areal_aio.tasks.calculator import calculate
 from areal_aio.tasks.episode import Model
-from areal_aio.tasks.task import Task
+from areal_aio.tasks.task import Task, same_answer
 
 MAX_STEPS = 3
 """Tool-calling steps of one agent run; with the final answer's call after the last one, 4 calls:
@@ -61,12 +61,5 @@ async def episode(task: Task, model: Model) -> float:
     finally:
         thread.shutdown(wait=False)  # a cancelled episode's agent ends at its next call (410)
         llm.client.close()
-    return 1.0 if _same(str(answer), task.answer) else 0.0
+    return 1.0 if same_answer(str(answer), task.answer) else 0.0
 
-
-def _same(given: str, reference: str) -> bool:
-    """Numbers by value (7 == 7.0), anything else by trimmed text (tasks/ does not import rewards/)."""
-    try:
-        return abs(float(given) - float(reference)) < 1e-9
-    except ValueError:
-        return given.strip().casefold() == reference.strip().casefold()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,3 +45,20 @@ async def task_stream(tasks: Iterable[Task] | AsyncIterable[Task], skip: int = 0
     else:
         for task in itertools.islice(tasks, skip, None):
             yield task
+
+
+def as_number(text: str) -> float | None:
+    """`text` as a finite number ("1,234" and " +7 " too), else None."""
+    try:
+        value = float(text.replace(",", "").strip())
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def same_answer(given: str, reference: str) -> bool:
+    """Numbers compare by value (7 == 7.0 == +7), anything else by trimmed, case-folded text."""
+    a, b = as_number(given), as_number(reference)
+    if a is not None and b is not None:
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+    return given.strip().casefold() == reference.strip().casefold()
