@@ -163,7 +163,8 @@ def run_engine(model: Any, tok: Any, ids: list[list[int]], max_new: int, max_bat
 
 
 def _time_captures(engine: Engine) -> tuple[list[float], Callable[[], int]]:
-    """Wrap the engine's graph captures to add up their seconds: ([total], graphs captured)."""
+    """Wrap the engine's graph captures to add up their seconds: ([total], graphs alive now: a
+    cache that grew dropped the ones before)."""
     slots, total = engine.batch, [0.0]
     capture = slots._capture
 
@@ -494,7 +495,7 @@ def _print_table(results: dict) -> None:
         if "mismatch_kl" in r:
             extra += f"  (mismatch_kl {r['mismatch_kl']:.2e} to float32)"
         if "capture_s" in r:
-            extra += f"  ({r['graphs']} graphs captured in {r['capture_s']:.2f}s"
+            extra += f"  ({r['graphs']} graphs at the end, captures took {r['capture_s']:.2f}s"
             extra += f"; capture failed: {r['graph_error']})" if r["graph_error"] else ")"
         if "bandwidth_share" in r:
             extra += f"  (weights read at {r['weight_tb_s']:.2f} TB/s: {r['bandwidth_share']:.0%} of a copy's)"

@@ -199,6 +199,13 @@ class _Batch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def used(self) -> range:
+        """Row i of `seqs` is row i of what was drawn (Slots: the slot it sits in)."""
+        return range(len(self.seqs))
+
+    def reloaded(self) -> None:
+        """After a weight load: nothing holds the old addresses (Slots drops its graphs)."""
+
     def set_rows(self, seqs: list[_Seq], device: torch.device) -> None:
         """The sampling state of `seqs` (all but pending, which the first draw sets)."""
         greedy = [s.req.temperature < GREEDY_BELOW for s in seqs]
@@ -513,7 +520,7 @@ class Engine:
         logprobs = torch.stack([lp for _, lp in b.drawn], dim=1).tolist()
         b.drawn = []
         keep, done = [], []
-        rows = b.used() if isinstance(b, Slots) else range(len(b.seqs))  # its row in what was drawn
+        rows = b.used()  # each row's row in what was drawn
         for i, (seq, row) in enumerate(zip(b.seqs, rows, strict=True)):
             finish = self._append(seq, tokens[row], logprobs[row])
             if finish:
@@ -574,8 +581,7 @@ class Engine:
         default run it did not rise: docs/rollout.md).
         """
         load_s = self.load(self.model, path)
-        if isinstance(self.batch, Slots):
-            self.batch.reloaded()
+        self.batch.reloaded()
         self.version = version
         self.prefixes.clear()  # computed with the old weights
         seqs = self.batch.seqs
