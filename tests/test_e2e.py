@@ -25,7 +25,7 @@ from tests.conftest import ROOT as ROOT
 
 pytestmark = pytest.mark.slow
 
-TINY = ["model.path=embedded:tiny-random", "rollout.max_new_tokens=12", "rollout.group_size=4",
+TINY = ["model.path=embedded:tiny-random", "sft.before_run=off", "rollout.max_new_tokens=12", "rollout.group_size=4",
         "trainer.batch_size=8", "task.eval_size=8", "task.eval_every=2", "run.progress=false",
         "trainer.bf16=false", "controller.reward_procs=0"]
 

@@ -22,7 +22,7 @@ from tests.conftest import alive
 pytestmark = pytest.mark.slow
 
 SHM = Path(os.environ.get("AREAL_AIO_SHM", "/dev/shm/areal_aio"))
-TINY = ["model.path=embedded:tiny-random", "rollout.max_new_tokens=12", "rollout.group_size=4",
+TINY = ["model.path=embedded:tiny-random", "sft.before_run=off", "rollout.max_new_tokens=12", "rollout.group_size=4",
         "trainer.batch_size=8", "task.eval_size=8", "task.eval_every=2", "run.progress=false",
         "trainer.bf16=false", "controller.reward_procs=1", "run.max_steps=100000"]
 START_TIMEOUT_S = 120.0

@@ -111,6 +111,8 @@ def _command(args: argparse.Namespace) -> int:
             raise SettingsError("a settings file is needed (or --resume RUN_DIR)")
         settings = load_settings(args.settings, args.overrides)
         rows = preflight(settings, getattr(args, "out", None))
+        if args.command == "run" and settings.sft_before_run:
+            args.out = str(_warm_start_checks(settings, args.out))
     except SettingsError as exc:  # a bad key or value, or an input preflight rejects
         say(f"settings error: {exc}")
         return 2
@@ -121,6 +123,19 @@ def _command(args: argparse.Namespace) -> int:
         say(settings.to_toml().rstrip("\n"), sys.stdout)
         return 0
     return _run(settings, args.out, rows=rows)
+
+
+def _warm_start_checks(settings, out: str | None) -> Path:
+    """The run folder a cold start (sft.before_run) writes into first: sft.data must be had, and
+    the folder must hold no run and no tuning (PreflightError, SettingsError's kind)."""
+    from areal_aio.app.sft import check_data, check_folder
+    from areal_aio.control.keeping import run_name
+
+    folder = Path(out) if out is not None else Path(settings.run.out_dir) / run_name(settings)
+    check_data(settings)
+    check_folder(folder, "--out" if out is not None else "run.name")
+    check_folder(folder / "sft", "--out" if out is not None else "run.name")
+    return folder
 
 
 def _resume(run_dir: str, settings_path: str | None, overrides: list[str], out: str | None) -> int:
@@ -169,6 +184,15 @@ def _run(settings, out: str | None, resume=None, rows=None, before=None) -> int:
     from areal_aio.control.keeping import refused_resume
     from areal_aio.control.sources import eval_tasks, training_tasks
 
+    if resume is None and settings.sft_before_run:  # out: the run folder (_warm_start_checks)
+        from areal_aio.app.sft import warm_start
+
+        say(f"cold start: {settings.sft.steps} sft steps on {settings.sft.data} replies, into {Path(out) / 'sft'}",
+            folder=Path(out))
+        try:
+            settings = run_owned(warm_start(settings, Path(out) / "sft"))
+        except BaseException as exc:  # noqa: BLE001 - exit_code re-raises what is not a run's end
+            return exit_code(exc, Path(out))
     given = {} if rows is None else {"tasks": training_tasks(settings, rows=rows),
                                      "eval_set": eval_tasks(settings, rows=rows)}
     try:

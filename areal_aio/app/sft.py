@@ -1,7 +1,7 @@
 """Cold-start fine-tuning: `python -m areal_aio sft settings.toml` teaches a model a reply format before RL.
 
     pairs (sft.data)          generated: the task's reference replies (chain: worked, step-tagged
-      |                       solutions; arithmetic: the tagged answer) | a JSONL file of pairs;
+      |                       solutions; arithmetic: the sum, then the tagged answer) | a JSONL file of pairs;
       |                       pairs whose prompt is held out are left out
       |  tokenize: prompt ids through the chat template exactly as the rollout worker builds
       |  them, completion ids = the assistant's reply up to the token that ends its turn
@@ -48,8 +48,16 @@ from areal_aio.control.evaluation import greedy_completions, rates, sample_rows,
 from areal_aio.control.progress import say
 from areal_aio.control.sources import eval_tasks, training_tasks
 from areal_aio.rewards.scoring import AnswerReward, Scorer
-from areal_aio.settings import CODE_TASKS, SFT, Settings, SettingsError, load_settings
-from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION
+from areal_aio.settings import (
+    CODE_TASKS,
+    SFT,
+    SFT_GENERATED,
+    Settings,
+    SettingsError,
+    cpu_cores,
+    load_settings,
+)
+from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION, worked_reply
 from areal_aio.tasks.files import jsonl_rows
 from areal_aio.tasks.steps import STEP_INSTRUCTION, parse
 from areal_aio.tasks.task import Task
@@ -116,7 +124,7 @@ def generated_pairs(settings: Settings) -> Iterator[Pair]:
             yield Pair(f"{it.question} {STEP_INSTRUCTION}", it.solution)
     elif name == "arithmetic":
         for task in training_tasks(settings, in_loop=False):
-            yield Pair(task.prompt, f"<answer>{task.answer}</answer>")
+            yield Pair(task.prompt, worked_reply(task))
     elif name in CODE_TASKS:  # the problem's reference solution, in the fence the prompt asks for
         for task in training_tasks(settings, in_loop=False):
             yield Pair(task.prompt, f"```python\n{task.answer.strip()}\n```")
@@ -237,17 +245,39 @@ def sft_folder(settings: Settings, out: str | None) -> Path:
 def check(settings: Settings, folder: Path, out: str | None) -> None:
     """Preflight of the tuning: the run's checks, sft.data and the folder (PreflightError)."""
     preflight(settings, out)
+    check_data(settings)
+    check_folder(folder, "--out" if out else "run.name")
+
+
+def check_data(settings: Settings) -> None:
+    """sft.data can be had: generated replies for this task, or a readable file of pairs."""
     data = settings.sft.data
     if data == "generated":
-        if settings.task.name not in ("chain", "arithmetic"):
+        if settings.task.name not in SFT_GENERATED:
             raise PreflightError(f"sft.data = generated: task {settings.task.name!r} has no reference "
                                  "replies; give sft.data a JSONL file of {prompt, completion} rows")
     else:
         read_checked("sft.data", data, lambda: read_pairs(data), "a JSONL file", " (or 'generated')")
+
+
+def check_folder(folder: Path, key: str) -> None:
     found = [name for name in FOLDER_FILES if (folder / name).exists()]
     if found:
-        raise PreflightError(f"{'--out' if out else 'run.name'}: {folder} already holds a run ({found[0]}); "
-                             "pick another folder")
+        raise PreflightError(f"{key}: {folder} already holds a run ({found[0]}); pick another folder")
+
+
+async def warm_start(settings: Settings, folder: Path) -> Settings:
+    """A run's cold start (sft.before_run): the tuning into `folder` without its evals (the run's
+    step-0 eval is the tuned model's), the trainer on every core of a CPU, since nothing runs
+    beside it; returns the run's settings, training from the tuned model (before_run off: what
+    the run is, and what a copy of its settings.toml does again)."""
+    trainer = settings.trainer
+    if all(dev.startswith("cpu") for dev in settings.trainer_devices):
+        trainer = dataclasses.replace(trainer, threads=max(trainer.threads, cpu_cores() // len(settings.trainer_devices)))
+    await fine_tune(dataclasses.replace(settings, trainer=trainer,
+                                        sft=dataclasses.replace(settings.sft, eval_size=0)), folder)
+    return dataclasses.replace(settings, model=dataclasses.replace(settings.model, path=str((folder / "model").resolve())),
+                               sft=dataclasses.replace(settings.sft, before_run="off"))
 
 
 async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:

@@ -62,7 +62,6 @@ admitted again first, then the task stream continues after the tasks it had hand
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from pathlib import Path
@@ -132,7 +131,7 @@ class Orchestrator:
         if self._episode is not None and settings.process.mode != "off":
             raise SettingsError("process.mode: scores single replies; an episode run needs process.mode = off")
         self._eval_set = eval_set if eval_set is not None else eval_tasks(settings, rows=rows)
-        name = settings.run.name or f"{settings.run.mode}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        name = keeping.run_name(settings)
         self.folder = Path(out_dir) if out_dir is not None else Path(settings.run.out_dir) / name
         if self._ckpt is not None:
             self.folder = self._ckpt.path.parent.parent

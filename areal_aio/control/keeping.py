@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -111,6 +112,11 @@ class RunState:
             commit_wall={int(k): v for k, v in state["commit_wall"].items()},
             time_to_threshold=state["time_to_threshold"], max_trained_staleness=state["max_trained_staleness"],
             busy=dict(state["busy"]), process=state.get("process"))
+
+
+def run_name(settings: Settings) -> str:
+    """run.name, else <mode>-<time>-<pid>: the run folder's name under run.out_dir."""
+    return settings.run.name or f"{settings.run.mode}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
 def resume_from(resume: str | Path | checkpoint.Checkpoint | None, settings: Settings) -> checkpoint.Checkpoint | None:

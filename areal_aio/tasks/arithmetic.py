@@ -21,6 +21,17 @@ def arithmetic_prompt(question: str, instruction: str = ANSWER_INSTRUCTION) -> s
     return f"{question} {instruction}"
 
 
+def worked_reply(task: Task) -> str:
+    """The reference reply a cold start teaches: the sum written out, then the tagged answer
+    ("5 - 9 = -4\n<answer>-4</answer>"). The model already writes the sum out by itself (its
+    greedy replies are "5 - 9 = -4"), so only the tag is new: tuned on the tagged answer alone,
+    SmolLM2-135M-Instruct answered 0.30 of the held-out sums against 0.55 before
+    (docs/cold-start.md)."""
+    question = task.text.removesuffix(f" {ANSWER_INSTRUCTION}")
+    expression = question.removeprefix("Calculate ").rstrip(".")
+    return f"{expression} = {task.answer}\n<answer>{task.answer}</answer>"
+
+
 def arithmetic_tasks(task: TaskSettings, seed: int, size: int, prefix: str, start: int = 0,
                      instruction: str = ANSWER_INSTRUCTION) -> Iterator[Task]:
     import reasoning_gym

@@ -35,7 +35,7 @@ from areal_aio.app.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 """`python -m areal_aio` as it is, on the fake workers (a trainer step takes half a second)."""
-FAKE_RUN = ["model.path=embedded:tiny-random", "rollout.group_size=2", "trainer.batch_size=4",
+FAKE_RUN = ["model.path=embedded:tiny-random", "sft.before_run=off", "rollout.group_size=2", "trainer.batch_size=4",
             "task.eval_size=4", "task.eval_every=1000", "controller.reward_procs=0", "run.progress=true"]
 
 

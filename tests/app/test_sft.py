@@ -67,10 +67,20 @@ def test_generated_pairs_are_the_tasks_reference_replies():
     for pair in list(zip(range(20), generated_pairs(chain), strict=False)):
         prompt, reply = pair[1].prompt, parse(pair[1].completion)
         assert prompt.endswith(STEP_INSTRUCTION) and reply.valid and len(reply.steps) == 2
-    arithmetic = next(generated_pairs(build_settings({})))
-    assert arithmetic.completion.startswith("<answer>") and ANSWER_INSTRUCTION in arithmetic.prompt
+    for pair in list(zip(range(20), generated_pairs(build_settings({})), strict=False)):
+        prompt, reply = pair[1].prompt, pair[1].completion
+        assert prompt.startswith("Calculate ") and prompt.endswith(ANSWER_INSTRUCTION)
+        question = prompt.removeprefix("Calculate ").split(". ")[0]
+        answer = reply.rsplit("<answer>", 1)[1].removesuffix("</answer>")
+        assert reply == f"{question} = {answer}\n<answer>{answer}</answer>" and int(answer) == eval_sum(question)
     with pytest.raises(ValueError, match="no reference replies"):
         next(generated_pairs(build_settings({"task": {"name": "jsonl", "path": "x.jsonl"}})))
+
+
+def eval_sum(text: str) -> int:
+    """A two-term + or - sum, read without eval."""
+    a, op, b = text.split()
+    return int(a) + int(b) if op == "+" else int(a) - int(b)
 
 
 def test_batches_leave_out_held_out_prompts_and_are_deterministic(tmp_path):
@@ -183,3 +193,55 @@ def test_sft_command_writes_a_loadable_model_and_its_record(tmp_path):
     tok = AutoTokenizer.from_pretrained(out / "model")
     assert model.config.num_hidden_layers == 2 and tok.chat_template
     assert not list(Path("/dev/shm/areal_aio").glob("sft-tuned-*"))
+
+
+def test_before_run_auto_is_on_where_there_is_something_to_tune_on(tmp_path):
+    assert build_settings({}).sft_before_run and build_settings(CHAIN).sft_before_run
+    tasks = {"task": {"name": "jsonl", "path": str(tmp_path / "tasks.jsonl")}}
+    assert not build_settings(tasks).sft_before_run
+    assert build_settings({**tasks, "sft": {"data": "pairs.jsonl"}}).sft_before_run
+    assert not build_settings({}, ["sft.before_run=off"]).sft_before_run
+    assert build_settings(tasks, ["sft.before_run=on"]).sft_before_run
+
+
+def test_run_checks_the_cold_start_before_it_starts(tmp_path):
+    """A run whose cold start cannot be had is one line and exit 2, before any worker starts."""
+    tasks = write(tmp_path / "tasks.jsonl", {"prompt": "q", "answer": "1"})
+    done = subprocess.run([sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"),
+                           "--set", "task.name=jsonl", "--set", f"task.path={tasks}", "--set", "sft.before_run=on",
+                           "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0
+    assert "sft.data = generated: task 'jsonl' has no reference replies" in done.stderr
+    (tmp_path / "left" / "sft").mkdir(parents=True)
+    (tmp_path / "left" / "sft" / "steps.jsonl").write_text("")  # a cold start that was stopped
+    done = subprocess.run([sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"),
+                           "--out", str(tmp_path / "left")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and "already holds a run (steps.jsonl)" in done.stderr
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_run_tunes_first_then_trains_rl_from_the_tuned_model(tmp_path):
+    """sft.before_run: the run folder gets sft/ (its steps, its model) and the RL run's settings
+    name that model and say the tuning is done, so a resume or a copy does not tune again."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"), "--out", str(out),
+         "--set", "model.path=embedded:tiny-random", "--set", "sft.steps=2", "--set", "sft.batch_size=4",
+         "--set", "run.max_steps=2", "--set", "rollout.group_size=4", "--set", "trainer.batch_size=8",
+         "--set", "rollout.max_new_tokens=8", "--set", "task.eval_size=4", "--set", "trainer.bf16=off",
+         "--set", "controller.reward_procs=0", "--set", "run.progress=false"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"cold start: 2 sft steps on generated replies, into {out / 'sft'}" in done.stderr
+    steps = [orjson.loads(line) for line in (out / "sft" / "steps.jsonl").read_bytes().splitlines()]
+    assert [r["step"] for r in steps] == [1, 2]
+    record = orjson.loads((out / "sft" / "sft.json").read_bytes())
+    assert record["base_model"] == "embedded:tiny-random" and "before" not in record  # the run's eval is it
+    import tomllib
+
+    ran = tomllib.loads((out / "settings.toml").read_text())
+    assert ran["model"]["path"] == str((out / "sft" / "model").resolve()) and ran["sft"]["before_run"] == "off"
+    summary = orjson.loads((out / "summary.json").read_bytes())
+    assert summary["steps"] == 2 and (out / "model" / "config.json").exists()
+    assert not list(Path("/dev/shm/areal_aio").glob("sft-sft-*"))

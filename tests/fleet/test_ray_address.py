@@ -19,7 +19,7 @@ from tests.conftest import ROOT, alive, need
 ray = need("ray")
 
 SETTINGS = str(ROOT / "settings.toml")
-TINY = ["model.path=embedded:tiny-random", "rollout.max_new_tokens=8", "task.eval_size=2", "run.progress=false",
+TINY = ["model.path=embedded:tiny-random", "sft.before_run=off", "rollout.max_new_tokens=8", "task.eval_size=2", "run.progress=false",
         "controller.reward_procs=0", "run.max_steps=2"]
 
 
