@@ -52,6 +52,7 @@ STEP_METRICS = {
     "behav_w_max": "train/behav_w_max",
     "capped_frac": "train/capped_frac",
     "mismatch_kl": "train/mismatch_kl",
+    "mismatch_k1": "train/mismatch_k1",
     "tokens": "train/tokens",
     "seqs": "train/seqs",
     "version": "train/version",

@@ -55,8 +55,10 @@ update's forward ran on, padding included), seqs, seconds, prox_s (the no-grad p
 pass of mini-batches after the first: 0 with one), publish_s, reduce_s (the gradient
 all-reduces of a data-parallel trainer, waiting for the slowest rank included: 0 with one rank;
 on a GPU the reduction is queued, so this is mostly the wait for the other ranks),
-mismatch_kl (k3 KL(behav || prox) over tokens sampled by exactly this version;
-None when there are none), reward_mean, adv_abs_mean, skipped (mini-batches whose step was
+mismatch_kl (k3 KL(behav || prox) over tokens sampled by exactly this version, the mean of
+exp(r) - 1 - r with r = log pi_prox - log pi_behav; None when there are none), mismatch_k1 (the
+same tokens' mean of -r: the k1 estimate of the same KL, unbiased too but of either sign, the
+figure some peers report; k3 is never negative and has the lower variance), reward_mean, adv_abs_mean, skipped (mini-batches whose step was
 not taken: their loss or gradient norm was not finite, and AdamW with a NaN gradient would
 make every weight NaN; the update still publishes v<version+1>, the weights it holds, so the
 clock goes on and the controller counts the step as skipped). A supervised update
@@ -530,7 +532,7 @@ class Trainer:
         sums = {"tokens": zero + stats.tokens, "computed": zero + sum(mb.computed for mb in mbs),
                 "entropy": stats.entropy, "clipped": stats.clipped, "ratio_sum": stats.ratio_sum,
                 "kl": stats.kl, "w_n": zero + w.numel(), "w_sum": w.sum(), "capped": capped.double().sum(),
-                "r_n": zero + r.numel(), "mismatch": (torch.expm1(r) - r).sum(),
+                "r_n": zero + r.numel(), "mismatch": (torch.expm1(r) - r).sum(), "mismatch_k1": -r.sum(),
                 **{f"loss{k}": v for k, v in enumerate(stats.loss)}}
         mins = {"ratio_min": stats.ratio_min, "w_min": zero + math.inf if empty else w.min()}
         maxs = {"ratio_max": stats.ratio_max, "w_max": zero - math.inf if empty else w.max(),
@@ -555,6 +557,7 @@ class Trainer:
             "computed_tokens": int(got["computed"]),
             "seqs": len(samples),
             "mismatch_kl": got["mismatch"] / got["r_n"] if got["r_n"] else None,
+            "mismatch_k1": got["mismatch_k1"] / got["r_n"] if got["r_n"] else None,
             "reward_mean": float(rewards.mean()),
             "adv_abs_mean": float(adv.abs().mean()),
             "skipped": stats.skipped,

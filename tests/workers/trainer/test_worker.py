@@ -9,6 +9,7 @@ recomputation must agree (mismatch_kl ~ 0).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import queue
 import subprocess
@@ -137,7 +138,21 @@ def test_mismatch_kl_counts_only_tokens_of_the_current_version(tmp_path, batch) 
     trainer = make_trainer(tmp_path)
     old = [wire.TrainSample(s.prompt_ids, s.completion_ids, s.logprobs, [7] * len(s.versions),
                             s.reward, s.group) for s in batch]
-    assert trainer.train(wire.Train(step=0, version=0, samples=old)).stats["mismatch_kl"] is None
+    stats = trainer.train(wire.Train(step=0, version=0, samples=old)).stats
+    assert stats["mismatch_kl"] is None and stats["mismatch_k1"] is None
+
+
+def test_mismatch_k1_and_k3_estimate_the_same_kl(tmp_path, batch) -> None:
+    """Behaviour log-probs moved by a known d per token (r = log pi_prox - log pi_behav becomes
+    r0 - d, r0 ~ 0 here: the same weights sampled them): k1 = mean(-r), k3 = mean(e^r - 1 - r)."""
+    exact = make_trainer(tmp_path / "a").train(wire.Train(step=0, version=0, samples=batch)).stats
+    d = [0.1, -0.2, 0.3]
+    moved = [dataclasses.replace(s, logprobs=[lp + d[j % 3] for j, lp in enumerate(s.logprobs)]) for s in batch]
+    st = make_trainer(tmp_path / "b").train(wire.Train(step=0, version=0, samples=moved)).stats
+    ds = [d[j % 3] for s in batch for j in range(len(s.logprobs))]
+    assert abs(exact["mismatch_k1"]) < 1e-4 and exact["mismatch_kl"] < 1e-6
+    assert st["mismatch_k1"] == pytest.approx(exact["mismatch_k1"] + sum(ds) / len(ds), abs=1e-4)
+    assert st["mismatch_kl"] == pytest.approx(sum(math.expm1(-x) + x for x in ds) / len(ds), rel=1e-2)
 
 
 def test_micro_batching_does_not_change_the_update(tmp_path, batch) -> None:
