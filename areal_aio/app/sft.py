@@ -1,16 +1,19 @@
 """Cold-start fine-tuning: `python -m areal_aio sft settings.toml` teaches a model a reply format before RL.
 
     pairs (sft.data)          generated: the task's reference replies (chain: worked, step-tagged
-      |                       solutions; arithmetic: the sum, then the tagged answer) | a JSONL file of pairs;
+      |                       solutions; arithmetic: the sum, then the tagged answer; calculator: the
+      |                       call, then the tagged value after the tool turn) | a JSONL file of pairs;
       |                       pairs whose prompt is held out are left out
       |  tokenize: prompt ids through the chat template exactly as the rollout worker builds
-      |  them, completion ids = the assistant's reply up to the token that ends its turn
+      |  them (after an episode's earlier turns: as the episode's context holds them), completion
+      |  ids = the assistant's reply up to the token that ends its turn
       v
     trainer worker  <- sft.steps x Train(objective="sft", publish=False), sft.batch_size pairs each
       |               (token-mean NLL of the completion tokens; workers/trainer/worker.py)
       +-> Save(kind="model") -> <folder>/model/      an HF folder for model.path of an RL run
-    rollout worker  greedy replies to the first sft.eval_size held-out prompts: the base model
-                    beside the training, the tuned one after it (areal_aio/control/evaluation.py)
+    rollout worker  greedy replies to the first sft.eval_size held-out prompts (greedy episodes in
+                    an episode run: task.name = calculator): the base model beside the training,
+                    the tuned one after it (areal_aio/control/evaluation.py)
 
 Each eval reports the share of valid step-tagged replies (areal_aio.tasks.steps.parse), the pass
 and strict rates, and why the invalid ones are invalid. When the held-out prompts ask for
@@ -44,7 +47,14 @@ import orjson
 
 from areal_aio import wire
 from areal_aio.app.preflight import PreflightError, preflight, read_checked
-from areal_aio.control.evaluation import greedy_completions, rates, sample_rows, score
+from areal_aio.control.episodes import episode_spec, load_episode
+from areal_aio.control.evaluation import (
+    greedy_completions,
+    greedy_episodes,
+    rates,
+    sample_rows,
+    score,
+)
 from areal_aio.control.progress import say
 from areal_aio.control.sources import eval_tasks, training_tasks
 from areal_aio.rewards.scoring import AnswerReward, Scorer
@@ -58,21 +68,32 @@ from areal_aio.settings import (
     load_settings,
 )
 from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION, worked_reply
+from areal_aio.tasks.calculator import reference_turns
 from areal_aio.tasks.files import jsonl_rows
 from areal_aio.tasks.steps import STEP_INSTRUCTION, parse
 from areal_aio.tasks.task import Task
 
 FOLDER_FILES = ("settings.toml", "sft.json", "steps.jsonl", "samples.jsonl", "model")
 """A folder holding any of these holds a run or a tuning: never written over."""
+EPISODE_ROLES = ("assistant", "tool", "user")
+"""The roles of a chat row's turns after its user prompt: replies, and the turns an episode
+adds between them (Model.add_turn)."""
+MISMATCHES_IN_A_ROW = 1000
+"""Calculator tasks in a row without reference turns (their calculated value is not their
+answer) before the generated pairs stop with an error instead of searching on forever."""
 
 
 @dataclass(frozen=True, slots=True)
 class Pair:
-    """One supervised example; `system` None = model.system_prompt (as the rollout worker uses)."""
+    """One supervised example: `completion` is the assistant's reply to the user's `prompt`, or
+    to an episode's earlier `turns` after it, (role, text) each: a reply ("assistant"), then
+    the tool or user turns the episode added after it, and so on. Only `completion` is trained.
+    `system` None = model.system_prompt (as the rollout worker uses)."""
 
     prompt: str
     completion: str
     system: str | None = None
+    turns: tuple[tuple[str, str], ...] = ()
 
 
 # ---------------------------------------------------------------- data
@@ -86,7 +107,8 @@ def read_pairs(path: str | Path) -> list[Pair]:
         pair = _row_pair(row)
         if isinstance(pair, str):
             raise ValueError(f"{path}:{number}: {pair}; expected {{\"prompt\": ..., \"completion\": ...}} or "
-                             f"{{\"messages\": [system (optional), user, assistant]}} with non-empty strings")
+                             f"{{\"messages\": [system (optional), user, assistant, tool, ..., assistant]}} "
+                             f"with non-empty strings")
         pairs.append(pair)
     if not pairs:
         raise ValueError(f"{path}: no pairs (the file is empty)")
@@ -102,12 +124,16 @@ def _row_pair(row: object) -> Pair | str:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             return "messages is not a list of objects"
         roles = [m.get("role") for m in messages]
-        if roles not in (["user", "assistant"], ["system", "user", "assistant"]):
+        user = 1 if roles[:1] == ["system"] else 0
+        chat = roles[user:]  # user, then replies with the turns after them, the trained reply last
+        if (chat[:1] != ["user"] or chat[1:2] != ["assistant"] or chat[-1] != "assistant"
+                or not all(role in EPISODE_ROLES for role in chat[1:])):
             return f"messages have roles {roles}"
         texts = [m.get("content") for m in messages]
         if not all(isinstance(t, str) and t.strip() for t in texts):
             return "a message has no content"
-        return Pair(texts[-2], texts[-1], texts[0] if len(texts) == 3 else None)
+        turns = tuple(zip(roles[user + 1:-1], texts[user + 1:-1], strict=True))
+        return Pair(texts[user], texts[-1], texts[0] if user else None, turns)
     for key in ("prompt", "completion"):
         if not isinstance(row.get(key), str) or not row[key].strip():
             return f"no {key}" if key not in row else f"{key} is {row[key]!r}"
@@ -125,6 +151,20 @@ def generated_pairs(settings: Settings) -> Iterator[Pair]:
     elif name == "arithmetic":
         for task in training_tasks(settings, in_loop=False):
             yield Pair(task.prompt, worked_reply(task))
+    elif name == "calculator":  # one pair per reply of the reference episode, the turns before it as context
+        missed = 0
+        for task in training_tasks(settings, in_loop=False):
+            turns = reference_turns(task)
+            if turns is None:
+                missed += 1
+                if missed == MISMATCHES_IN_A_ROW:
+                    raise ValueError(f"sft.data = generated: the calculator's value is not the answer of "
+                                     f"{missed} tasks in a row (task.operators = {settings.task.operators})")
+                continue
+            missed = 0
+            for k, (role, text) in enumerate(turns):
+                if role == "assistant":
+                    yield Pair(task.prompt, text, turns=tuple(turns[:k]))
     elif name in CODE_TASKS:  # the problem's reference solution, in the fence the prompt asks for
         for task in training_tasks(settings, in_loop=False):
             yield Pair(task.prompt, f"```python\n{task.answer.strip()}\n```")
@@ -164,24 +204,55 @@ def _shuffled_passes(pool: list[Pair], seed: int) -> Iterator[Pair]:
 
 
 def tokenize(tokenizer: Any, pair: Pair, system_prompt: str = "") -> tuple[list[int], list[int]]:
-    """(prompt ids, completion ids) of a pair: the prompt as the rollout worker encodes it, the
-    completion as the chat template writes the assistant's turn, up to and including the
-    token that ends it (EOS, where generation stops). A template that does not extend the
-    prompt's ids gets the reply's own tokens and EOS instead."""
-    from areal_aio.workers.models import encode_prompt
+    """(prompt ids, completion ids) of a pair: the prompt ids the rollout worker is given for
+    this reply, the completion as the chat template writes the assistant's turn, up to and
+    including the token that ends it (EOS, where generation stops).
+
+    The prompt is templated as for a first reply (encode_prompt). Each earlier reply then joins
+    it as an episode's context holds it: its ids as a completion here, without the EOS (a reply
+    cut at a stop string, such as the calculator's </calc>, has none), then the turns after it
+    as the worker renders them for the next reply (encode_turns; the reply not closed, so they
+    begin with the template's end of turn: where a reply ended with EOS, the same ids)."""
+    from areal_aio.workers.models import encode_prompt, encode_turns
 
     system = system_prompt if pair.system is None else pair.system
-    prompt_ids = encode_prompt(tokenizer, pair.prompt, system)
-    messages = [{"role": "system", "content": system}] if system else []
-    messages += [{"role": "user", "content": pair.prompt}, {"role": "assistant", "content": pair.completion}]
-    full = tokenizer.apply_chat_template(messages, tokenize=True)
+    chat = [{"role": "system", "content": system}] if system else []
+    chat.append({"role": "user", "content": pair.prompt})
+    ids = encode_prompt(tokenizer, pair.prompt, system)
+    for reply, turns in _rounds(pair.turns):
+        reply_ids = _reply_ids(tokenizer, chat, ids, reply)
+        if reply_ids[-1:] == [tokenizer.eos_token_id]:
+            reply_ids = reply_ids[:-1]
+        ids = ids + reply_ids + encode_turns(tokenizer, turns, closed=False)
+        chat += [{"role": "assistant", "content": reply}, *turns]
+    return ids, _reply_ids(tokenizer, chat, ids, pair.completion)
+
+
+def _rounds(turns: tuple[tuple[str, str], ...]) -> list[tuple[str, list[dict[str, str]]]]:
+    """An episode's earlier turns as (reply, the turns added after it) rounds."""
+    rounds: list[tuple[str, list[dict[str, str]]]] = []
+    for role, text in turns:
+        if role == "assistant":
+            rounds.append((text, []))
+        elif rounds:
+            rounds[-1][1].append({"role": role, "content": text})
+        else:
+            raise ValueError(f"a pair's turns begin with a {role!r} turn: an episode adds turns after a reply")
+    return rounds
+
+
+def _reply_ids(tokenizer: Any, chat: list[dict[str, str]], context: list[int], reply: str) -> list[int]:
+    """`reply`'s ids after `context` (the ids of `chat` as the rollout worker is given them), as
+    the chat template writes the assistant's turn, up to and including its EOS. A template that
+    does not extend the context's ids gets the reply's own tokens and EOS instead."""
+    full = tokenizer.apply_chat_template([*chat, {"role": "assistant", "content": reply}], tokenize=True)
     full = list(full["input_ids"] if hasattr(full, "keys") else full)
     eos = tokenizer.eos_token_id
-    tail = full[len(prompt_ids):]
-    if full[:len(prompt_ids)] == prompt_ids and eos in tail:
-        return prompt_ids, tail[:tail.index(eos) + 1]
+    tail = full[len(context):]
+    if full[:len(context)] == context and eos in tail:
+        return tail[:tail.index(eos) + 1]
     end = [] if eos is None else [eos]
-    return prompt_ids, [*tokenizer.encode(pair.completion, add_special_tokens=False), *end]
+    return [*tokenizer.encode(reply, add_special_tokens=False), *end]
 
 
 def train_samples(tokenized: list[tuple[list[int], list[int]]], version: int) -> list[wire.TrainSample]:
@@ -210,22 +281,29 @@ def format_rates(completions: list[wire.Completion], scores: list[Any]) -> dict[
 
 async def evaluate(settings: Settings, stages: dict[str, list[Task]], folder: Path,
                    log: str) -> dict[str, dict[str, Any]]:
-    """Greedy replies of settings.model.path to every stage's tasks (one rollout worker), scored;
-    their rows are appended to samples.jsonl."""
+    """Greedy replies of settings.model.path to every stage's tasks (one rollout worker; in an
+    episode run, one greedy episode per task, scored on its last reply as the run's eval is),
+    scored; their rows are appended to samples.jsonl."""
     everything = [t for tasks in stages.values() for t in tasks]
-    completions = await greedy_completions(settings, everything, folder / log)
     scorer = Scorer(AnswerReward(settings.task.format_bonus), timeout_s=settings.controller.reward_timeout_s,
                     procs=0)
+    turns = None
     try:
-        scores = await score(scorer, everything, completions)
+        if spec := episode_spec(settings):
+            played = await greedy_episodes(settings, everything, folder / log, load_episode(spec), scorer)
+            completions, scores, turns = played.completions, played.scores, played.turns
+        else:
+            completions = await greedy_completions(settings, everything, folder / log)
+            scores = await score(scorer, everything, completions)
     finally:
         await scorer.aclose()
     out, lo, rows = {}, 0, []
     for stage, tasks in stages.items():
         done, got = completions[lo:lo + len(tasks)], scores[lo:lo + len(tasks)]
+        their_turns = turns[lo:lo + len(tasks)] if turns is not None else None
         lo += len(tasks)
         out[stage] = format_rates(done, got)
-        for row, c in zip(sample_rows(0, tasks, done, got), done, strict=True):
+        for row, c in zip(sample_rows(0, tasks, done, got, their_turns), done, strict=True):
             reply = parse(c.text)
             rows.append({**row, "kind": "sft_eval", "stage": stage, "valid": reply.valid,
                          "problem": reply.problem})

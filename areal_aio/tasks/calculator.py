@@ -9,6 +9,10 @@ task.reward (the answer reward) scores the last reply.
 The expression is the model's text: it is parsed with `ast` and only numbers, + - * / and
 parentheses are evaluated, by this module's own walk of the tree (exact fractions); nothing
 the model writes is ever given to eval or exec.
+
+A cold start (`sft.data = generated`, app/sft.py) teaches the episode `reference_turns` writes:
+the question's expression as a call, then, after the tool turn with its value, that value as
+the tagged answer.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import re
 from fractions import Fraction
 
 from areal_aio.tasks.episode import Model
-from areal_aio.tasks.task import Task
+from areal_aio.tasks.task import Task, same_answer
 
 CALCULATOR_INSTRUCTION = ("You may use a calculator: write <calc>expression</calc> (numbers, + - * / "
                           "and parentheses) and its value comes back. Give only the final answer "
@@ -84,6 +88,24 @@ def calculate(expression: str) -> str:
         return f"{float(value):.10g}"
     except OverflowError:  # 1e300 * 1e300 / 7: exact, but past a float
         return "error: too large"
+
+
+def reference_turns(task: Task) -> list[tuple[str, str]] | None:
+    """The episode a cold start teaches, as (role, text) turns after the prompt: the call on
+    the question's expression (read as arithmetic.worked_reply reads it), the tool turn as the
+    episode adds it, and its value as the answer:
+
+        [("assistant", "<calc>41 * 265</calc>"), ("tool", "10865"), ("assistant", "<answer>10865</answer>")]
+
+    None where the calculator's value is not the task's answer (a question that is not one
+    expression, or a reference that disagrees): the reward would score that answer wrong."""
+    question = task.text.removesuffix(f" {CALCULATOR_INSTRUCTION}")
+    expression = question.removeprefix("Calculate ").rstrip(".")
+    value = calculate(expression)
+    if not same_answer(value, task.answer):
+        return None
+    return [("assistant", f"<calc>{expression}{CALL_END}"), ("tool", value),
+            ("assistant", f"<answer>{value}</answer>")]
 
 
 async def episode(task: Task, model: Model) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,15 +25,19 @@ from areal_aio.app.sft import (
     tokenize,
     train_samples,
 )
-from areal_aio.control.sources import eval_tasks
-from areal_aio.rewards.scoring import Score
+from areal_aio.control.sources import eval_tasks, training_tasks
+from areal_aio.rewards.scoring import AnswerReward, Score
 from areal_aio.settings import build_settings
+from areal_aio.tasks import calculator
 from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION
+from areal_aio.tasks.calculator import calculate
+from areal_aio.tasks.episode import Bounds, Model
 from areal_aio.tasks.steps import STEP_INSTRUCTION, parse
 from areal_aio.tasks.task import Task
 from tests.conftest import ROOT as ROOT
 
 CHAIN = {"task": {"name": "chain", "terms": 3, "eval_size": 8}, "sft": {"steps": 5, "batch_size": 4, "eval_size": 8}}
+PRODUCTS = ["task.name=calculator", "task.digits=3", 'task.operators=["+","*"]']
 
 
 def write(path: Path, *rows: object) -> Path:
@@ -47,6 +53,16 @@ def test_read_pairs_takes_both_row_shapes(tmp_path):
     assert read_pairs(path) == [Pair("Say hi.", "hi"), Pair("Say yo.", "yo"), Pair("Say ok.", "ok", "Be terse.")]
 
 
+def test_read_pairs_takes_an_episode_and_trains_its_last_reply(tmp_path):
+    chat = [{"role": "user", "content": "Calculate 12 * 34."}, {"role": "assistant", "content": "<calc>12 * 34</calc>"},
+            {"role": "tool", "content": "408"}, {"role": "assistant", "content": "<answer>408</answer>"}]
+    path = write(tmp_path / "pairs.jsonl", {"messages": chat},
+                 {"messages": [{"role": "system", "content": "Be terse."}, *chat]})
+    turns = (("assistant", "<calc>12 * 34</calc>"), ("tool", "408"))
+    assert read_pairs(path) == [Pair("Calculate 12 * 34.", "<answer>408</answer>", None, turns),
+                                Pair("Calculate 12 * 34.", "<answer>408</answer>", "Be terse.", turns)]
+
+
 @pytest.mark.parametrize("row,problem", [
     (b"{nope", "not valid JSON"),
     ([1, 2], "a list, not an object"),
@@ -55,6 +71,18 @@ def test_read_pairs_takes_both_row_shapes(tmp_path):
     ({"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]},
      r"messages have roles \['assistant', 'user'\]"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}, "a message has no content"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "1"},
+                   {"role": "assistant", "content": "a"}]}, re.escape("messages have roles ['user', 'tool', 'assistant']")),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                   {"role": "tool", "content": "1"}]}, re.escape("messages have roles ['user', 'assistant', 'tool']")),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                   {"role": "system", "content": "s"}, {"role": "assistant", "content": "b"}]},
+     re.escape("messages have roles ['user', 'assistant', 'system', 'assistant']")),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": ["tool"]},
+                   {"role": "assistant", "content": "b"}]}, "messages have roles"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                   {"role": "tool", "content": ""}, {"role": "assistant", "content": "b"}]}, "a message has no content"),
+    ({"messages": []}, re.escape("messages have roles []")),
 ])
 def test_a_bad_pair_row_names_its_line(tmp_path, row, problem):
     path = write(tmp_path / "bad.jsonl", {"prompt": "q", "completion": "a"}, row)
@@ -75,6 +103,35 @@ def test_generated_pairs_are_the_tasks_reference_replies():
         assert reply == f"{question} = {answer}\n<answer>{answer}</answer>" and int(answer) == eval_sum(question)
     with pytest.raises(ValueError, match="no reference replies"):
         next(generated_pairs(build_settings({"task": {"name": "jsonl", "path": "x.jsonl"}})))
+
+
+@pytest.mark.parametrize("overrides,covers", [
+    ([], lambda task: int(task.answer) < 0),  # single-digit + and -: negative differences among them
+    (PRODUCTS, lambda task: " * " in task.text and len(task.answer) >= 5),
+    (["task.digits=3", 'task.operators=["-"]'], lambda task: int(task.answer) < -100),
+])
+def test_calculator_pairs_call_the_tool_then_answer_its_value(overrides, covers):
+    """Two pairs per training task, in the tasks' order: the call on the question's expression,
+    then, after the call and the tool turn with calculate's value, that value as the answer, which
+    the task's reward scores correct (and tagged)."""
+    settings = build_settings({}, ["task.name=calculator", *overrides])
+    tasks = list(itertools.islice(training_tasks(settings, in_loop=False), 300))
+    pairs = list(itertools.islice(generated_pairs(settings), 2 * len(tasks)))
+    reward = AnswerReward()
+    for task, call, answer in zip(tasks, pairs[::2], pairs[1::2], strict=True):
+        expression = task.text.removeprefix("Calculate ").split(". ")[0]
+        value = calculate(expression)
+        assert call == Pair(task.prompt, f"<calc>{expression}</calc>")
+        assert answer == Pair(task.prompt, f"<answer>{value}</answer>",
+                              turns=(("assistant", call.completion), ("tool", value)))
+        assert reward(task, answer.completion).strict
+    assert sum(map(covers, tasks)) > 10
+
+
+def test_calculator_pairs_stop_when_the_calculator_never_agrees(monkeypatch):
+    monkeypatch.setattr("areal_aio.app.sft.reference_turns", lambda task: None)
+    with pytest.raises(ValueError, match="not the answer of 1000 tasks in a row"):
+        next(generated_pairs(build_settings({}, ["task.name=calculator"])))
 
 
 def eval_sum(text: str) -> int:
@@ -129,6 +186,79 @@ def test_tokenize_gives_the_rollout_prompt_and_the_turn_up_to_eos(tokenizer):
     assert samples[0].versions == [3] * len(completion) and samples[0].logprobs == [0.0] * len(completion)
 
 
+async def test_calculator_pairs_tokenize_as_the_episode_feeds_the_rollout_worker(tokenizer):
+    """A model that writes exactly what it was tuned on, played through the calculator episode by
+    a stand-in for the rollout worker (its templating calls, the engine's cut at EOS or at a stop
+    string): the worker is given each pair's prompt ids, and the call, cut at </calc> before its
+    EOS, is followed in the episode's context by that EOS, as it was trained."""
+    from areal_aio.workers.models import encode_prompt, encode_turns
+    from areal_aio.workers.rollout.engine import stop_in_tail
+
+    settings = build_settings({}, PRODUCTS)
+    task = next(iter(training_tasks(settings, in_loop=False)))
+    call, answer = itertools.islice(generated_pairs(settings), 2)
+    system, eos = "Be brief.", tokenizer.eos_token_id
+    trained = [tokenize(tokenizer, call, system), tokenize(tokenizer, answer, system)]
+    fed = []
+
+    async def worker(ask):
+        msg = ask.generate(f"r{len(fed)}", task, 0.0, 1.0)
+        if msg.context_ids is None:  # workers/rollout/worker.py, _handle
+            ids = encode_prompt(tokenizer, msg.messages or msg.prompt, system, msg.prefix)
+        else:
+            closed = bool(msg.context_ids) and msg.context_ids[-1] == eos
+            ids = msg.context_ids + encode_turns(tokenizer, msg.append or [], closed)
+        fed.append(ids)
+        reply = []
+        for token in trained[len(fed) - 1][1]:
+            reply.append(token)
+            if token == eos or (msg.stop and stop_in_tail(tokenizer, reply, tuple(msg.stop))):
+                break
+        return wire.Completion(msg.request_id, ids, reply, [0.0] * len(reply), [0] * len(reply),
+                               tokenizer.decode(reply, skip_special_tokens=True), "stop", 0, 0.0)
+
+    model = Model(Bounds.of(settings), worker)
+    await calculator.episode(task, model)
+    assert fed == [prompt for prompt, _ in trained]
+    (prompt, reply), (context, last) = trained
+    assert reply[-1] == eos and tokenizer.decode(reply[:-1]) == call.completion
+    assert model.transcript.turns[0]["tokens"] == len(reply) - 1  # the live call stopped at </calc>
+    assert context[:len(prompt) + len(reply)] == prompt + reply  # and its context holds the EOS it was trained on
+    value = answer.turns[1][1]
+    assert tokenizer.decode(context[len(prompt):]) == (f"{call.completion}<|im_end|>\n<|im_start|>tool\n{value}"
+                                                       f"<|im_end|>\n<|im_start|>assistant\n")
+    assert model.transcript.context_ids == context + last and last[-1] == eos
+    assert AnswerReward()(task, model.transcript.last.text).strict
+
+
+def test_tokenize_continues_after_a_reply_that_ended_with_eos(tokenizer):
+    """An earlier reply that ended with EOS (no stop string): the worker leaves the EOS the
+    context holds out of the turns it renders (closed), so the ids are the same."""
+    from areal_aio.workers.models import encode_turns
+
+    first = Pair("Say hi.", "hi")
+    prompt, reply = tokenize(tokenizer, first)
+    context, _ = tokenize(tokenizer, Pair("Say hi.", "ok", turns=(("assistant", "hi"), ("user", "Again."))))
+    assert context == prompt + reply + encode_turns(tokenizer, [{"role": "user", "content": "Again."}], closed=True)
+    with pytest.raises(ValueError, match="begin with a 'tool' turn"):
+        tokenize(tokenizer, Pair("Say hi.", "ok", turns=(("tool", "1"),)))
+
+
+async def test_calculator_evals_play_the_episode(tmp_path, monkeypatch):
+    """A calculator tuning's evals are greedy episodes, scored on the last reply, as a run's are."""
+    from areal_aio.app.sft import evaluate
+    from areal_aio.fleet.fakes import FakeRollout
+
+    rollout = FakeRollout(policy=lambda prompt, version: "<calc>2 * 3</calc>",
+                          continuation=lambda msg, version: f"<answer>{msg.append[0]['content']}</answer>")
+    monkeypatch.setattr("areal_aio.control.evaluation.eval_rollout", lambda settings, log: rollout)
+    tasks = [Task(f"e{i}", f"Calculate 2 * 3. {calculator.CALCULATOR_INSTRUCTION}", "6") for i in range(3)]
+    got = await evaluate(build_settings({}, ["task.name=calculator"]), {"before": tasks}, tmp_path, "eval.log")
+    assert got["before"]["pass_rate"] == got["before"]["strict_rate"] == 1.0
+    rows = [orjson.loads(line) for line in (tmp_path / "samples.jsonl").read_bytes().splitlines()]
+    assert [[t["text"] for t in r["turns"]] for r in rows] == [["<calc>2 * 3</calc>", "6", "<answer>6</answer>"]] * 3
+
+
 def test_plain_tasks_swap_the_step_instruction_for_the_answer_one():
     tasks = [Task("e0", f"Calculate 1 + 2. {STEP_INSTRUCTION}", "3"), Task("e1", "Calculate 1.", "1")]
     assert plain_tasks(tasks) == [Task("e0", f"Calculate 1 + 2. {ANSWER_INSTRUCTION}", "3")]
@@ -159,6 +289,7 @@ def test_check_names_the_bad_input(tmp_path):
     with pytest.raises(PreflightError, match="already holds a run"):
         check(build_settings({}), tmp_path / "used", str(tmp_path / "used"))
     check(build_settings(CHAIN), tmp_path / "fresh", None)
+    check(build_settings({}, PRODUCTS), tmp_path / "fresh", None)
 
 
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
@@ -197,6 +328,7 @@ def test_sft_command_writes_a_loadable_model_and_its_record(tmp_path):
 
 def test_before_run_auto_is_on_where_there_is_something_to_tune_on(tmp_path):
     assert build_settings({}).sft_before_run and build_settings(CHAIN).sft_before_run
+    assert build_settings({}, ["task.name=calculator"]).sft_before_run
     tasks = {"task": {"name": "jsonl", "path": str(tmp_path / "tasks.jsonl")}}
     assert not build_settings(tasks).sft_before_run
     assert build_settings({**tasks, "sft": {"data": "pairs.jsonl"}}).sft_before_run

@@ -10,7 +10,14 @@ import pytest
 from areal_aio.control.sources import eval_tasks, training_tasks
 from areal_aio.settings import build_settings
 from areal_aio.tasks import calculator
-from areal_aio.tasks.calculator import MAX_EXPRESSION, CalcError, calculate, evaluate
+from areal_aio.tasks.calculator import (
+    CALCULATOR_INSTRUCTION,
+    MAX_EXPRESSION,
+    CalcError,
+    calculate,
+    evaluate,
+    reference_turns,
+)
 from areal_aio.tasks.episode import Bounds, Model
 from areal_aio.tasks.task import Task
 from tests.conftest import ScriptedReplies
@@ -41,6 +48,14 @@ def test_the_tool_answers_values_and_errors_as_text():
     assert calculate("os.getcwd()") == "error: only numbers, + - * / and parentheses"
 
 
+def test_the_reference_episode_calls_on_the_question_and_answers_the_value():
+    task = Task("t", f"Calculate 378 * 937. {CALCULATOR_INSTRUCTION}", "354186")
+    assert reference_turns(task) == [("assistant", "<calc>378 * 937</calc>"), ("tool", "354186"),
+                                     ("assistant", "<answer>354186</answer>")]
+    assert reference_turns(Task("t", f"Calculate 5 - 9. {CALCULATOR_INSTRUCTION}", "-4"))[1] == ("tool", "-4")
+    # no reference episode where the calculator's value would score wrong
+    assert reference_turns(Task("t", f"Calculate 4 / 1 / 7. {CALCULATOR_INSTRUCTION}", "8")) is None
+    assert reference_turns(Task("t", f"What is 2 + 3? {CALCULATOR_INSTRUCTION}", "5")) is None
 
 
 @pytest.mark.parametrize("texts,turns,tools", [
