@@ -27,9 +27,13 @@ def worked_reply(task: Task) -> str:
     greedy replies are "5 - 9 = -4"), so only the tag is new: tuned on the tagged answer alone,
     SmolLM2-135M-Instruct answered 0.30 of the held-out sums against 0.55 before
     (docs/cold-start.md)."""
-    question = task.text.removesuffix(f" {ANSWER_INSTRUCTION}")
-    expression = question.removeprefix("Calculate ").rstrip(".")
+    expression = expression_of(task, ANSWER_INSTRUCTION)
     return f"{expression} = {task.answer}\n<answer>{task.answer}</answer>"
+
+
+def expression_of(task: Task, instruction: str) -> str:
+    """The sum an arithmetic prompt asks for ("Calculate 5 - 9. <instruction>" -> "5 - 9")."""
+    return task.text.removesuffix(f" {instruction}").removeprefix("Calculate ").rstrip(".")
 
 
 def arithmetic_tasks(task: TaskSettings, seed: int, size: int, prefix: str, start: int = 0,

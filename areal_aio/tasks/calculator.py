@@ -21,6 +21,7 @@ import ast
 import re
 from fractions import Fraction
 
+from areal_aio.tasks.arithmetic import expression_of
 from areal_aio.tasks.episode import Model
 from areal_aio.tasks.task import Task, same_answer
 
@@ -92,15 +93,14 @@ def calculate(expression: str) -> str:
 
 def reference_turns(task: Task) -> list[tuple[str, str]] | None:
     """The episode a cold start teaches, as (role, text) turns after the prompt: the call on
-    the question's expression (read as arithmetic.worked_reply reads it), the tool turn as the
+    the question's expression (arithmetic.expression_of), the tool turn as the
     episode adds it, and its value as the answer:
 
         [("assistant", "<calc>41 * 265</calc>"), ("tool", "10865"), ("assistant", "<answer>10865</answer>")]
 
     None where the calculator's value is not the task's answer (a question that is not one
     expression, or a reference that disagrees): the reward would score that answer wrong."""
-    question = task.text.removesuffix(f" {CALCULATOR_INSTRUCTION}")
-    expression = question.removeprefix("Calculate ").rstrip(".")
+    expression = expression_of(task, CALCULATOR_INSTRUCTION)
     value = calculate(expression)
     if not same_answer(value, task.answer):
         return None

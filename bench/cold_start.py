@@ -1,0 +1,158 @@
+"""The default recipe as a user runs it: `python -m areal_aio run settings.toml`, its cold start
+(sft.before_run) and then RL, against the same run without the cold start, to a held-out threshold.
+
+    python bench/cold_start.py [--arms cold,plain] [--seeds 0,1,2] [--threshold 0.9]
+        [--report-at 0.8,0.85] [--max-wall-s 1800] [--set K=V ...] [--out DIR] [--quick] [--report-only]
+
+Each cell is one `python -m areal_aio run` process (the command itself, so the cold start runs
+exactly as a user's does), the cells strictly one after another: arm `cold` with
+`sft.before_run=on`, arm `plain` with `sft.before_run=off`; the seed is run.seed, the threshold
+run.threshold (the run stops at the first eval at or above it), --max-wall-s run.max_wall_s.
+
+Per cell: the cold start's wall time (sft/sft.json `wall_s`: the trainer worker's start, the
+tuning and the save), the RL run's wall seconds to each threshold (its eval curve: seconds after
+both workers are ready, stamped when the eval's weights were committed) and the recipe's time,
+their sum; the pass and strict (tagged) rates of the first and the last eval; the process's
+whole wall time (worker starts and model loads too). A cell whose folder holds a summary.json
+is reused; an unfinished one is deleted and run again.
+
+--quick: tiny-random, 2 sft steps, 4 RL steps, 8 new tokens, seed 0 (a smoke run of the plumbing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
+
+from bench.common import TINY_BATCH, fmt, parse_list, print_table, shown_path, write_json  # noqa: E402
+
+ARMS = {"cold": "sft.before_run=on", "plain": "sft.before_run=off"}
+QUICK = (*TINY_BATCH, "run.max_steps=4", "sft.steps=2", "sft.batch_size=4", "trainer.bf16=off")
+
+
+def cell_command(arm: str, seed: int, args: argparse.Namespace, folder: Path) -> list[str]:
+    """The cell's `python` arguments, run in the repository (paths in it relative to it)."""
+    sets = [ARMS[arm], f"run.seed={seed}", f"run.threshold={args.threshold}", "run.max_steps=1000",
+            *([f"run.max_wall_s={args.max_wall_s}"] if args.max_wall_s else []),
+            *(QUICK if args.quick else ()), *args.overrides]
+    return ["-m", "areal_aio", "run", str(shown_path(args.settings)), "--out", str(shown_path(folder)),
+            *[part for kv in sets for part in ("--set", kv)]]
+
+
+def run_cell(command: list[str], folder: Path) -> float:
+    """Run one cell's process (its output into the folder's bench.log); its wall seconds."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    log = folder.parent / f"{folder.name}.log"
+    t0 = time.perf_counter()
+    with open(log, "wb") as fh:
+        done = subprocess.run([sys.executable, *command], stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{folder.name} exited {done.returncode}; see {log}")
+    return time.perf_counter() - t0
+
+
+def time_at(curve: list[dict], threshold: float) -> dict[str, Any] | None:
+    """The first eval (by step) at or above `threshold`: its wall seconds and step."""
+    for row in sorted(curve, key=lambda r: r["step"]):
+        if row["pass_rate"] >= threshold:
+            return {"wall_s": row["wall_s"], "step": row["step"]}
+    return None
+
+
+def cell_record(folder: Path, thresholds: list[float]) -> dict[str, Any]:
+    """What one finished cell measured (module docstring), read off its folder."""
+    summary = orjson.loads((folder / "summary.json").read_bytes())
+    sft_file = folder / "sft" / "sft.json"
+    sft = orjson.loads(sft_file.read_bytes()) if sft_file.exists() else None
+    sft_s = sft["wall_s"] if sft else 0.0
+    curve = sorted(summary.get("eval_curve") or [], key=lambda r: r["step"])
+    reached = {}
+    for threshold in thresholds:
+        at = time_at(curve, threshold)
+        reached[str(threshold)] = None if at is None else {**at, "recipe_s": round(at["wall_s"] + sft_s, 3)}
+    first, last = (curve[0], curve[-1]) if curve else ({}, {})
+    return {"sft_s": sft_s, "sft_train_s": sft["train_s"] if sft else None,
+            "sft_loss": [sft["loss_first"], sft["loss_last"]] if sft else None,
+            "steps": summary.get("steps"), "wall_s": summary.get("wall_s"),
+            "first_eval": {k: first.get(k) for k in ("pass_rate", "strict_rate")},
+            "last_eval": {k: last.get(k) for k in ("step", "wall_s", "pass_rate", "strict_rate")},
+            "best_pass": max((r["pass_rate"] for r in curve), default=None),
+            "reached": reached, "error": summary.get("error"),
+            "eval_curve": [{k: r[k] for k in ("step", "wall_s", "pass_rate", "strict_rate")} for r in curve]}
+
+
+def print_results(records: list[dict], thresholds: list[float]) -> None:
+    rows = []
+    for rec in records:
+        m = rec["measured"]
+        times = [fmt(None if (r := m["reached"][str(t)]) is None else r["recipe_s"], ".0f")
+                 + ("" if r is None else f" ({r['step']})") for t in thresholds]
+        rows.append([rec["arm"], str(rec["seed"]), fmt(m["sft_s"], ".0f"), *times,
+                     f"{fmt(m['first_eval']['pass_rate'])}/{fmt(m['first_eval']['strict_rate'])}",
+                     f"{fmt(m['last_eval']['pass_rate'])}/{fmt(m['last_eval']['strict_rate'])}",
+                     str(m["steps"]), fmt(rec["process_s"], ".0f")])
+    print_table(["arm", "seed", "sft s", *[f"to {t}: s (step)" for t in thresholds], "first pass/strict",
+                 "last pass/strict", "steps", "process s"], rows,
+                title="\nseconds to a held-out pass rate, the cold start's included (the RL step in brackets)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--settings", type=Path, default=REPO / "settings.toml")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    ap.add_argument("--arms", default="cold,plain")
+    ap.add_argument("--seeds", default=None, help="comma-separated run seeds (default 0,1,2; --quick 0)")
+    ap.add_argument("--threshold", type=float, default=0.9)
+    ap.add_argument("--report-at", default="0.8,0.85", help="lower thresholds read off the same eval curves")
+    ap.add_argument("--max-wall-s", type=float, default=1800.0, help="run.max_wall_s of each RL run")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "cold_start")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--report-only", action="store_true", help="the table of the finished cells; run nothing")
+    args = ap.parse_args(argv)
+    arms = parse_list(args.arms)
+    if unknown := [a for a in arms if a not in ARMS]:
+        ap.error(f"--arms: unknown {unknown}; choose from {sorted(ARMS)}")
+    seeds = parse_list(args.seeds or ("0" if args.quick else "0,1,2"), int)
+    thresholds = sorted({*parse_list(args.report_at, float), args.threshold}) if args.report_at else [args.threshold]
+    records, previous = [], _previous(args.out / "results.json")
+    for seed in seeds:  # seed-major: a drifting machine load shifts both arms of a seed alike
+        for arm in arms:
+            folder = args.out / "runs" / f"{arm}-s{seed}"
+            command = cell_command(arm, seed, args, folder)
+            if (folder / "summary.json").exists():
+                process_s = previous.get(folder.name)
+            elif args.report_only:
+                continue
+            else:
+                print(f"{folder.name}: running", file=sys.stderr, flush=True)
+                process_s = round(run_cell(command, folder), 3)
+            records.append({"arm": arm, "seed": seed, "cell": folder.name, "command": shlex.join(["python", *command]),
+                            "process_s": process_s, "measured": cell_record(folder, thresholds)})
+            write_json(args.out / "results.json", {"thresholds": thresholds, "cells": records})
+    print_results(records, thresholds)
+    return 0
+
+
+def _previous(path: Path) -> dict[str, float | None]:
+    """The process seconds of cells an earlier invocation ran (a reused cell keeps its time)."""
+    try:
+        return {c["cell"]: c["process_s"] for c in orjson.loads(path.read_bytes())["cells"]}
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
+        return {}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
