@@ -420,12 +420,15 @@ class Settings:
         bad = [op for op in self.task.operators if op not in ("+", "-", "*", "/")]
         if bad or not self.task.operators:
             raise SettingsError(f"task.operators: {bad or '[]'} not allowed; use a non-empty list of + - * /")
-        if self.task.name == "arithmetic" and {"*", "/"} & set(self.task.operators):
-            # reasoning-gym's basic_arithmetic answers "6 + 10 * 0 + 1" with 1 and "4 / 1 / 7" with 8
-            raise SettingsError("task.operators: * and / give wrong reference answers in task.name = "
-                                "'arithmetic' (reasoning-gym's basic_arithmetic ignores precedence and "
-                                "misprints divisions); use + and -, or task.name = 'chain', which takes * and / "
-                                "first and divides exactly")
+        wrong = {"/"} | ({"*"} if self.task.terms > 2 else set())
+        if self.task.name in ("arithmetic", "calculator") and wrong & set(self.task.operators):
+            # reasoning-gym's basic_arithmetic answers "6 + 10 * 0 + 1" with 1 and "4 / 1 / 7" with 8;
+            # two terms have no precedence to ignore, so a product of two is answered right
+            raise SettingsError(f"task.operators: {' and '.join(sorted(wrong & set(self.task.operators)))} "
+                                f"give wrong reference answers in task.name = {self.task.name!r} "
+                                "(reasoning-gym's basic_arithmetic ignores precedence and misprints divisions; "
+                                "* is right with task.terms = 2); use + and -, or task.name = 'chain', which "
+                                "takes * and / first and divides exactly")
         if self.controller.max_in_flight and self.controller.max_in_flight < self.rollout.group_size:
             raise SettingsError(f"controller.max_in_flight ({self.controller.max_in_flight}) must be 0 or "
                                 f">= rollout.group_size ({self.rollout.group_size}): groups start whole")

@@ -50,17 +50,17 @@ def cell_command(arm: str, seed: int, args: argparse.Namespace, folder: Path) ->
             *[part for kv in sets for part in ("--set", kv)]]
 
 
-def run_cell(command: list[str], folder: Path) -> float:
-    """Run one cell's process (its output into the folder's bench.log); its wall seconds."""
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    log = folder.parent / f"{folder.name}.log"
+def run_cell(command: list[str], log: Path, clear: Path | None = None) -> float:
+    """Run one cell's `python` process in the repository, its output into `log` (the folder
+    `clear` deleted first: a cell's unfinished leftovers); its wall seconds."""
+    if clear is not None and clear.exists():
+        shutil.rmtree(clear)
+    log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log, "wb") as fh:
         done = subprocess.run([sys.executable, *command], stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"{folder.name} exited {done.returncode}; see {log}")
+        raise RuntimeError(f"{' '.join(command[:3])} exited {done.returncode}; see {log}")
     return time.perf_counter() - t0
 
 
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             else:
                 print(f"{folder.name}: running", file=sys.stderr, flush=True)
-                process_s = round(run_cell(command, folder), 3)
+                process_s = round(run_cell(command, folder.parent / f"{folder.name}.log", clear=folder), 3)
             records.append({"arm": arm, "seed": seed, "cell": folder.name, "command": shlex.join(["python", *command]),
                             "process_s": process_s, "measured": cell_record(folder, thresholds)})
             write_json(args.out / "results.json", {"thresholds": thresholds, "cells": records})

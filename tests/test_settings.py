@@ -100,7 +100,9 @@ def test_int_accepted_for_float_field():
     ({"trainer": {"batch_size": 30}}, [], "trainer.batch_size (30) must be a multiple of rollout.group_size (8)"),
     ({"rollout": {"device": "gpu"}}, [], "rollout.device: 'gpu' not allowed"),
     ({"task": {"operators": ["^"]}}, [], "task.operators"),
-    ({"task": {"operators": ["+", "*"]}}, [], "task.operators: * and / give wrong reference answers"),
+    ({"task": {"operators": ["+", "*"], "terms": 3}}, [], "task.operators: * give wrong reference answers"),
+    ({"task": {"operators": ["/"]}}, [], "task.operators: / give wrong reference answers in task.name = 'arithmetic'"),
+    ({"task": {"name": "calculator", "operators": ["+", "/"]}}, [], "/ give wrong reference answers in task.name = 'calc"),
     ({"task": {"name": "jsonl"}}, [], "task.path: required"),
     ({"run": "x"}, [], "run: must be a table"),
     ({}, ["run.mode"], "expected section.key=value"),
@@ -278,3 +280,13 @@ def test_lora_needs_peft_only_when_on(monkeypatch) -> None:
     build_settings({})
     with pytest.raises(SettingsError, match="lora.rank: LoRA needs the peft package: pip install peft"):
         build_settings({}, ["lora.rank=8"])
+
+
+def test_a_product_of_two_terms_is_allowed_and_answered_right():
+    """basic_arithmetic ignores precedence, which two terms do not have."""
+    from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION, arithmetic_tasks, expression_of
+
+    s = build_settings({"task": {"operators": ["*"], "digits": 3}})
+    for task in arithmetic_tasks(s.task, seed=5, size=200, prefix="p"):
+        a, b = expression_of(task, ANSWER_INSTRUCTION).split(" * ")
+        assert int(task.answer) == int(a) * int(b)

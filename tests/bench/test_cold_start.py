@@ -49,3 +49,20 @@ def test_unknown_arm_is_refused(capsys):
     with pytest.raises(SystemExit):
         cold_start.main(["--arms", "cold,warm", "--report-only"])
     assert "unknown ['warm']" in capsys.readouterr().err
+
+
+def test_tool_use_counts_calls_valid_calls_and_replies():
+    from bench.tool_use import window
+
+    call = [{"role": "assistant", "content": "<calc>41 * 265</calc>"}, {"role": "tool", "content": "10865"},
+            {"role": "assistant", "content": "<answer>10865</answer>"}]
+    bad = [{"role": "assistant", "content": "<calc>x</calc>"}, {"role": "tool", "content": "error: not arithmetic"},
+           {"role": "assistant", "content": "<calc>2*3</calc>"}, {"role": "tool", "content": "6"},
+           {"role": "assistant", "content": "6"}]
+    rows = [{"pass": True, "tokens": 30, "turns": call}, {"pass": False, "tokens": 50, "turns": bad},
+            {"pass": False, "tokens": 10}, {"pass": True, "tokens": 10, "turns": []}]
+    got = window(rows)
+    assert got["episodes"] == 4 and got["pass_rate"] == 0.5 and got["tool_call_rate"] == 0.5
+    assert got["calls"] == 3 and got["valid_call_share"] == round(2 / 3, 4)
+    assert got["replies_per_episode"] == 1.75 and got["tokens_per_episode"] == 25.0
+    assert window([]) == {"episodes": 0} and window(rows[2:])["valid_call_share"] is None
