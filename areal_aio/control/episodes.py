@@ -62,7 +62,7 @@ async def play(episode: Episode, task: Task, model: Model, timeout_s: float) -> 
     something that is not a reward or ended without a reply (NoReply). Training and the
     held-out eval both play episodes here."""
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(timeout_s) as model.clock:  # stopped during replies (Model.reply)
             with endpoint.served(model):  # its base URL, while it plays (endpoint.enabled)
                 result = await episode(task, model)
         if model.transcript.last is None:

@@ -33,8 +33,11 @@ RECORD_TEXT_CHARS; turns added after the last reply are in this record only. Bou
 `episode_turns` replies, `episode_tokens` tokens after the prompt (replies and turns: a later
 reply's Generate carries max_context = prompt + episode_tokens, and the worker, which knows the
 new turns' length, gives the reply at most what is left; each reply also at most
-rollout.max_new_tokens; turns that leave no room end the episode), `episode_timeout_s` wall
-seconds. An episode that passes one, raises, or returns something
+rollout.max_new_tokens; turns that leave no room end the episode), `episode_timeout_s` seconds
+of the episode's own time: its code and its tools, the clock stopped while it awaits a reply
+(the reply's generation, queued behind the other sequences of a busy rollout worker, says
+nothing about the episode; a timed-out episode would score 0 and train the policy away from
+whatever made it wait, such as a tool call). An episode that passes one, raises, or returns something
 that is not a reward scores 0 and is counted (episode_failures), as a failing reward is.
 
 What turns add is held to the token bound twice: their text is cut to TURN_BYTES_PER_TOKEN bytes
@@ -104,7 +107,7 @@ class EpisodeLimit(RuntimeError):
 class Bounds:
     turns: int  # model replies per episode
     tokens: int  # tokens after the prompt: replies and turns
-    timeout_s: float  # wall seconds of the whole episode
+    timeout_s: float  # seconds of the episode's own time (the clock stops while a reply is generated)
     max_new_tokens: int  # per reply (rollout.max_new_tokens)
 
     @classmethod
@@ -195,6 +198,7 @@ class Model:
         self.api_key: str = ""  # the key that endpoint wants ("" = none)
         self.model_name: str = ""  # the model id it serves (endpoint.model_name)
         self._posted: asyncio.Future[float] | None = None  # post_reward's value
+        self.clock: asyncio.Timeout | None = None  # the episode's time bound, stopped during replies (episodes.play)
 
     @property
     def sequences(self) -> list[Transcript]:
@@ -284,18 +288,33 @@ class Model:
         turns = self._turns_to_send(added)
         left = self.tokens_left
         ask = ReplyRequest(sent, turns, limit, room, list(stop) if stop else None, self._chat if first else None)
+        bound_left = self._stop_clock()
         try:
             msg = await self._request(ask)
         except asyncio.CancelledError:  # the reply is not wanted: its turns never joined the sequence
             rows = [row for row, _ in added]
             self.transcript.turns = [t for t in self.transcript.turns if not any(t is r for r in rows)]
             raise
+        finally:
+            self._restart_clock(bound_left)
         self.replies += 1
         self.transcript.add_reply(msg, sent, [row for row, _ in added], left)
         reply = self.transcript.last
         if not reply.completion_ids:
             raise EpisodeLimit(f"the turns left no room for a reply in task.episode_tokens = {b.tokens}")
         return reply.text
+
+    def _stop_clock(self) -> float | None:
+        """Stop the episode's time bound while a reply is generated; the seconds it had left."""
+        if self.clock is None or self.clock.when() is None:
+            return None
+        left = self.clock.when() - asyncio.get_running_loop().time()
+        self.clock.reschedule(None)
+        return left
+
+    def _restart_clock(self, left: float | None) -> None:
+        if left is not None and self.clock is not None and not self.clock.expired():
+            self.clock.reschedule(asyncio.get_running_loop().time() + left)
 
     def _turns_to_send(self, added: list[tuple[dict[str, Any], str]]) -> list[dict[str, str]] | None:
         """The turns added since the last reply as the Generate appends them, their texts cut

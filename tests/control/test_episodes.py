@@ -180,6 +180,27 @@ async def test_an_episode_that_fails_scores_zero_and_is_counted(tmp_path, how):
     assert any(e["event"] == "episode_failed" for e in events)
 
 
+@pytest.mark.parametrize("own_s,fails", [(0.02, False), (0.2, True)])
+async def test_the_time_bound_counts_the_episodes_own_time_not_its_replies(tmp_path, own_s, fails):
+    """Replies slower than the whole bound (a busy rollout worker: 4 tokens of 0.05 s) do not
+    time the episode out; its own code past the bound does."""
+
+    async def talks(task, model):
+        for _ in range(3):
+            await model.reply()
+            model.add_turn("tool", "y")
+            await asyncio.sleep(own_s / 3)
+        return 1.0
+
+    settings = make_settings("sync", **{"run.max_steps": 1, "task.episode_timeout_s": 0.15, "task.episode_turns": 4})
+    summary = await asyncio.wait_for(orchestrator(tmp_path, settings, episode=talks,
+                                                  rollout=ReplyRollout(token_delay_s=0.05)).run(), 60)
+    trained = rows(tmp_path / "run")
+    assert summary["steps"] == 1 and summary["episode_failures"] == (len(trained) if fails else 0)
+    assert all(len(r["turns"]) >= 5 for r in trained)  # every reply came, 0.2 s each
+    assert all(r["reward"] == (0.0 if fails else 1.0) for r in trained)
+
+
 async def test_the_token_bound_caps_each_reply_and_ends_the_episode(tmp_path):
     async def keeps_talking(task, model):
         while True:
