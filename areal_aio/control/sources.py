@@ -12,6 +12,10 @@ A task source is any iterable (or async iterable) of `Task` (tasks/task.py). Bui
     training items from reasoning-gym's CodeI/O problems, each made by a sandbox run (in
     threads, off the event loop: `code_stream_async`); the eval set from its held-out problems
     (code) or HumanEval (humaneval: trained on CodeI/O, scored on HumanEval);
+  * functions: small common functions to write (sum the even numbers of a list, count vowels,
+    gcd, fizzbuzz), made in process with their tests, no sandbox run
+    (rewards/function_tasks.py), judged as code is; the eval set from each family's held-out
+    variants;
   * rows from a file (`task.path`): jsonl, parquet, datasets (tasks/files.py; `read_tasks`
     here checks a code row's tests as the judge reads them), cycled for training, the last
     `task.eval_size` held out.
@@ -55,6 +59,10 @@ def training_tasks(settings: Settings, start: int = 0, rows: list[Task] | None =
         return chain_stream(settings.task, settings.run.seed, start)
     if settings.task.name == "calculator":
         return arithmetic_stream(settings.task, settings.run.seed, start, CALCULATOR_INSTRUCTION)
+    if settings.task.name == "functions":
+        from areal_aio.rewards.function_tasks import function_stream
+
+        return function_stream(settings.task, settings.run.seed, start)
     if settings.task.name in CODE_TASKS:
         from areal_aio.rewards.code_tasks import code_stream, code_stream_async
 
@@ -78,6 +86,10 @@ def eval_tasks(settings: Settings, rows: list[Task] | None = None) -> list[Task]
         from areal_aio.rewards.code_tasks import code_eval
 
         return code_eval(settings.task)
+    if settings.task.name == "functions":
+        from areal_aio.rewards.function_tasks import function_eval
+
+        return function_eval(settings.task)
     if settings.task.name == "calculator":
         return list(arithmetic_tasks(settings.task, settings.task.eval_seed, settings.task.eval_size, "e",
                                      instruction=CALCULATOR_INSTRUCTION))
