@@ -57,7 +57,7 @@ from areal_aio.control.evaluation import (
 )
 from areal_aio.control.progress import say
 from areal_aio.control.sources import eval_tasks, training_tasks
-from areal_aio.rewards.scoring import AnswerReward, Scorer
+from areal_aio.rewards.scoring import Scorer, load_rewards
 from areal_aio.settings import (
     CODE_TASKS,
     SFT,
@@ -285,8 +285,7 @@ async def evaluate(settings: Settings, stages: dict[str, list[Task]], folder: Pa
     episode run, one greedy episode per task, scored on its last reply as the run's eval is),
     scored; their rows are appended to samples.jsonl."""
     everything = [t for tasks in stages.values() for t in tasks]
-    scorer = Scorer(AnswerReward(settings.task.format_bonus), timeout_s=settings.controller.reward_timeout_s,
-                    procs=0)
+    scorer = Scorer(load_rewards(settings.task), timeout_s=settings.controller.reward_timeout_s, procs=0)
     turns = None
     try:
         if spec := episode_spec(settings):
@@ -331,7 +330,7 @@ def check_data(settings: Settings) -> None:
     """sft.data can be had: generated replies for this task, or a readable file of pairs."""
     data = settings.sft.data
     if data == "generated":
-        if settings.task.name not in SFT_GENERATED:
+        if settings.task.name not in (*SFT_GENERATED, *CODE_TASKS):
             raise PreflightError(f"sft.data = generated: task {settings.task.name!r} has no reference "
                                  "replies; give sft.data a JSONL file of {prompt, completion} rows")
     else:

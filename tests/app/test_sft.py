@@ -6,6 +6,7 @@ import itertools
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -35,6 +36,7 @@ from areal_aio.tasks.episode import Bounds, Model
 from areal_aio.tasks.steps import STEP_INSTRUCTION, parse
 from areal_aio.tasks.task import Task
 from tests.conftest import ROOT as ROOT
+from tests.conftest import alive
 
 CHAIN = {"task": {"name": "chain", "terms": 3, "eval_size": 8}, "sft": {"steps": 5, "batch_size": 4, "eval_size": 8}}
 PRODUCTS = ["task.name=calculator", "task.digits=3", 'task.operators=["+","*"]']
@@ -357,15 +359,16 @@ def test_run_tunes_first_then_trains_rl_from_the_tuned_model(tmp_path):
     """sft.before_run: the run folder gets sft/ (its steps, its model) and the RL run's settings
     name that model and say the tuning is done, so a resume or a copy does not tune again."""
     out = tmp_path / "run"
-    done = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"), "--out", str(out),
          "--set", "model.path=embedded:tiny-random", "--set", "sft.steps=2", "--set", "sft.batch_size=4",
          "--set", "run.max_steps=2", "--set", "rollout.group_size=4", "--set", "trainer.batch_size=8",
          "--set", "rollout.max_new_tokens=8", "--set", "task.eval_size=4", "--set", "trainer.bf16=off",
          "--set", "controller.reward_procs=0", "--set", "run.progress=false"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"cold start: 2 sft steps on generated replies, into {out / 'sft'}" in done.stderr
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert f"cold start: 2 sft steps on generated replies, into {out / 'sft'}" in err
     steps = [orjson.loads(line) for line in (out / "sft" / "steps.jsonl").read_bytes().splitlines()]
     assert [r["step"] for r in steps] == [1, 2]
     record = orjson.loads((out / "sft" / "sft.json").read_bytes())
@@ -376,4 +379,34 @@ def test_run_tunes_first_then_trains_rl_from_the_tuned_model(tmp_path):
     assert ran["model"]["path"] == str((out / "sft" / "model").resolve()) and ran["sft"]["before_run"] == "off"
     summary = orjson.loads((out / "summary.json").read_bytes())
     assert summary["steps"] == 2 and (out / "model" / "config.json").exists()
-    assert not list(Path("/dev/shm/areal_aio").glob("sft-sft-*"))
+    assert not Path(f"/dev/shm/areal_aio/sft-sft-{proc.pid}").exists()
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (Linux: /proc/<pid>/task/*/children)."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_cold_start_stops_cleanly(tmp_path):
+    """SIGTERM while the run tunes: exit 143 with one line, the tuning's worker gone, its
+    /dev/shm folder removed, and no RL run started."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"), "--out", str(out),
+         "--set", "model.path=embedded:tiny-random", "--set", "sft.steps=500", "--set", "sft.batch_size=4",
+         "--set", "trainer.bf16=off", "--set", "run.progress=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    steps = out / "sft" / "steps.jsonl"
+    deadline = time.time() + 120
+    while not steps.exists() or not steps.read_text():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    workers = children(proc.pid)
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "terminated; workers stopped" in err and "Traceback" not in err
+    assert workers and not any(Path(f"/proc/{pid}").exists() and alive(pid) for pid in workers)
+    assert not Path(f"/dev/shm/areal_aio/sft-sft-{proc.pid}").exists()
+    assert not (out / "summary.json").exists() and not (out / "sft" / "model").exists()
