@@ -64,7 +64,7 @@ def window(rows: list[dict]) -> dict[str, Any]:
     if not rows:
         return {"episodes": 0}
     tools = [t for r in rows for t in r.get("turns") or [] if t["role"] == "tool"]
-    valid = [t for t in tools if not t["content"].startswith("error:")]
+    valid = [t for t in tools if not t["text"].startswith("error:")]
     return {"episodes": len(rows), "pass_rate": round(sum(bool(r["pass"]) for r in rows) / len(rows), 4),
             "tool_call_rate": round(sum(any(t["role"] == "tool" for t in r.get("turns") or []) for r in rows)
                                     / len(rows), 4),

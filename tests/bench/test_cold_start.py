@@ -54,11 +54,11 @@ def test_unknown_arm_is_refused(capsys):
 def test_tool_use_counts_calls_valid_calls_and_replies():
     from bench.tool_use import window
 
-    call = [{"role": "assistant", "content": "<calc>41 * 265</calc>"}, {"role": "tool", "content": "10865"},
-            {"role": "assistant", "content": "<answer>10865</answer>"}]
-    bad = [{"role": "assistant", "content": "<calc>x</calc>"}, {"role": "tool", "content": "error: not arithmetic"},
-           {"role": "assistant", "content": "<calc>2*3</calc>"}, {"role": "tool", "content": "6"},
-           {"role": "assistant", "content": "6"}]
+    call = [{"role": "assistant", "text": "<calc>41 * 265</calc>"}, {"role": "tool", "text": "10865"},
+            {"role": "assistant", "text": "<answer>10865</answer>"}]
+    bad = [{"role": "assistant", "text": "<calc>x</calc>"}, {"role": "tool", "text": "error: not arithmetic"},
+           {"role": "assistant", "text": "<calc>2*3</calc>"}, {"role": "tool", "text": "6"},
+           {"role": "assistant", "text": "6"}]
     rows = [{"pass": True, "tokens": 30, "turns": call}, {"pass": False, "tokens": 50, "turns": bad},
             {"pass": False, "tokens": 10}, {"pass": True, "tokens": 10, "turns": []}]
     got = window(rows)
