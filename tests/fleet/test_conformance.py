@@ -135,7 +135,10 @@ async def test_a_rollout_worker_keeps_the_protocol(kind, tmp_path, request):
                                 generate("chat", "Calculate 1 + 2.", 4, 0.0, messages=chat)])
         done, _ = await collect(client, 4)
         g1, g2, pre, chat_c = done["g1"], done["g2"], done["pre"], done["chat"]
-        assert (g1.completion_ids, g1.text, g1.logprobs) == (g2.completion_ids, g2.text, g2.logprobs)
+        assert (g1.completion_ids, g1.text) == (g2.completion_ids, g2.text)
+        # two rows of one batch: the same tokens, log-probs equal to float32 rounding (a row's
+        # padding and place in the batch move the last bits, ~1e-6 seen on a Ray worker)
+        assert g1.logprobs == pytest.approx(g2.logprobs, abs=1e-4)
         assert g1.prompt_ids == first["a"].prompt_ids  # same prompt, same ids
         assert pre.prompt_ids[:len(g1.prompt_ids)] == g1.prompt_ids and len(pre.prompt_ids) > len(g1.prompt_ids)
         assert len(chat_c.prompt_ids) > len(g1.prompt_ids) and chat_c.prompt_ids != g1.prompt_ids
