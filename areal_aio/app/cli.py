@@ -111,8 +111,10 @@ def _command(args: argparse.Namespace) -> int:
             raise SettingsError("a settings file is needed (or --resume RUN_DIR)")
         settings = load_settings(args.settings, args.overrides)
         rows = preflight(settings, getattr(args, "out", None))
-        if args.command == "run" and settings.sft_before_run:
-            args.out = str(_warm_start_checks(settings, args.out))
+        if args.command in ("run", "check") and settings.sft_before_run:
+            folder = _warm_start_checks(settings, getattr(args, "out", None), folders=args.command == "run")
+            if args.command == "run":
+                args.out = str(folder)
     except SettingsError as exc:  # a bad key or value, or an input preflight rejects
         say(f"settings error: {exc}")
         return 2
@@ -125,16 +127,17 @@ def _command(args: argparse.Namespace) -> int:
     return _run(settings, args.out, rows=rows)
 
 
-def _warm_start_checks(settings, out: str | None) -> Path:
+def _warm_start_checks(settings, out: str | None, folders: bool = True) -> Path:
     """The run folder a cold start (sft.before_run) writes into first: sft.data must be had, and
-    the folder must hold no run and no tuning (PreflightError, SettingsError's kind)."""
+    (`folders`) the folder must hold no run and no tuning (PreflightError, SettingsError's kind)."""
     from areal_aio.app.sft import check_data, check_folder
     from areal_aio.control.keeping import run_name
 
     folder = Path(out) if out is not None else Path(settings.run.out_dir) / run_name(settings)
     check_data(settings)
-    check_folder(folder, "--out" if out is not None else "run.name")
-    check_folder(folder / "sft", "--out" if out is not None else "run.name")
+    if folders:
+        check_folder(folder, "--out" if out is not None else "run.name")
+        check_folder(folder / "sft", "--out" if out is not None else "run.name")
     return folder
 
 

@@ -346,6 +346,10 @@ def test_run_checks_the_cold_start_before_it_starts(tmp_path):
                            "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0
     assert "sft.data = generated: task 'jsonl' has no reference replies" in done.stderr
+    checked = subprocess.run([sys.executable, "-m", "areal_aio", "check", str(ROOT / "settings.toml"),
+                              "--set", "task.name=jsonl", "--set", f"task.path={tasks}", "--set", "sft.before_run=on"],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert checked.returncode == 2 and "has no reference replies" in checked.stderr  # check says it too
     (tmp_path / "left" / "sft").mkdir(parents=True)
     (tmp_path / "left" / "sft" / "steps.jsonl").write_text("")  # a cold start that was stopped
     done = subprocess.run([sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"),
