@@ -35,7 +35,15 @@ import orjson
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from bench.common import TINY_BATCH, fmt, parse_list, print_table, shown_path, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    TINY_BATCH,
+    fmt,
+    grid_parser,
+    parse_list,
+    print_table,
+    shown_path,
+    write_json,
+)
 
 ARMS = {"cold": "sft.before_run=on", "plain": "sft.before_run=off"}
 QUICK = (*TINY_BATCH, "run.max_steps=4", "sft.steps=2", "sft.batch_size=4", "trainer.bf16=off")
@@ -110,17 +118,12 @@ def print_results(records: list[dict], thresholds: list[float]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--settings", type=Path, default=REPO / "settings.toml")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    ap = grid_parser(__doc__, "cold_start")
+    ap.set_defaults(max_wall_s=1800.0)  # run.max_wall_s of each RL run
     ap.add_argument("--arms", default="cold,plain")
     ap.add_argument("--seeds", default=None, help="comma-separated run seeds (default 0,1,2; --quick 0)")
     ap.add_argument("--threshold", type=float, default=0.9)
     ap.add_argument("--report-at", default="0.8,0.85", help="lower thresholds read off the same eval curves")
-    ap.add_argument("--max-wall-s", type=float, default=1800.0, help="run.max_wall_s of each RL run")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "cold_start")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--report-only", action="store_true", help="the table of the finished cells; run nothing")
     args = ap.parse_args(argv)
     arms = parse_list(args.arms)
     if unknown := [a for a in arms if a not in ARMS]:

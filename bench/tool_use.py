@@ -34,7 +34,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from bench.cold_start import run_cell  # noqa: E402
-from bench.common import TINY_BATCH, fmt, parse_list, print_table, shown_path, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    TINY_BATCH,
+    fmt,
+    grid_parser,
+    parse_list,
+    print_table,
+    shown_path,
+    write_json,
+)
 
 EDGE = 5
 """Trained steps at each end of a run that the training-side rates are read over."""
@@ -100,16 +108,11 @@ def pass_rate(eval_file: Path) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--settings", type=Path, default=REPO / "settings.toml")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    ap = grid_parser(__doc__, "tool_use")
+    ap.set_defaults(max_wall_s=600.0)  # run.max_wall_s of each RL run
     ap.add_argument("--seeds", default=None, help="comma-separated run seeds (default 0,1,2; --quick 0)")
     ap.add_argument("--digits", type=int, default=3, help="task.digits: digits per term")
     ap.add_argument("--operators", default="+,*", help="task.operators, comma-separated")
-    ap.add_argument("--max-wall-s", type=float, default=600.0, help="run.max_wall_s of each RL run")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "tool_use")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--report-only", action="store_true", help="the table of the finished cells; run nothing")
     args = ap.parse_args(argv)
     seeds = parse_list(args.seeds or ("0" if args.quick else "0,1,2"), int)
     base_model = "embedded:tiny-random" if args.quick else "embedded:smollm2-135m-instruct"
