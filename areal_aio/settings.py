@@ -553,9 +553,17 @@ def mode_presets(mode: str, devices: dict[str, Any] | None = None) -> dict[str, 
         given = devices or {}
         for role in ("rollout", "trainer"):
             devs = given.get(f"{role}.devices") or [given.get(f"{role}.device", "cpu")]
-            if all(dev == "cpu" for dev in devs):
-                presets[f"{role}.threads"] = max(1, cpu_cores() // len(devs))
+            if (share := whole_machine_threads(devs)) is not None:
+                presets[f"{role}.threads"] = share
     return presets
+
+
+def whole_machine_threads(devices: list) -> int | None:
+    """Threads per worker when one role's workers on these devices get every core (their role
+    runs alone: sync mode, a run's cold start); None where any of them is not on the CPU."""
+    if not all(dev == "cpu" for dev in devices):
+        return None
+    return max(1, cpu_cores() // len(devices))
 
 
 def cpu_cores() -> int:

@@ -64,8 +64,8 @@ from areal_aio.settings import (
     SFT_GENERATED,
     Settings,
     SettingsError,
-    cpu_cores,
     load_settings,
+    whole_machine_threads,
 )
 from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION, worked_reply
 from areal_aio.tasks.calculator import reference_turns
@@ -349,8 +349,8 @@ async def warm_start(settings: Settings, folder: Path) -> Settings:
     beside it; returns the run's settings, training from the tuned model (before_run off: what
     the run is, and what a copy of its settings.toml does again)."""
     trainer = settings.trainer
-    if all(dev.startswith("cpu") for dev in settings.trainer_devices):
-        trainer = dataclasses.replace(trainer, threads=max(trainer.threads, cpu_cores() // len(settings.trainer_devices)))
+    if (share := whole_machine_threads(settings.trainer_devices)) is not None:
+        trainer = dataclasses.replace(trainer, threads=max(trainer.threads, share))
     await fine_tune(dataclasses.replace(settings, trainer=trainer,
                                         sft=dataclasses.replace(settings.sft, eval_size=0)), folder)
     return dataclasses.replace(settings, model=dataclasses.replace(settings.model, path=str((folder / "model").resolve())),
