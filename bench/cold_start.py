@@ -37,10 +37,12 @@ sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from bench.common import (  # noqa: E402
     TINY_BATCH,
+    first_reaching,
     fmt,
     grid_parser,
     parse_list,
     print_table,
+    read_run,
     shown_path,
     write_json,
 )
@@ -72,33 +74,24 @@ def run_cell(command: list[str], log: Path, clear: Path | None = None) -> float:
     return time.perf_counter() - t0
 
 
-def time_at(curve: list[dict], threshold: float) -> dict[str, Any] | None:
-    """The first eval (by step) at or above `threshold`: its wall seconds and step."""
-    for row in sorted(curve, key=lambda r: r["step"]):
-        if row["pass_rate"] >= threshold:
-            return {"wall_s": row["wall_s"], "step": row["step"]}
-    return None
-
-
 def cell_record(folder: Path, thresholds: list[float]) -> dict[str, Any]:
     """What one finished cell measured (module docstring), read off its folder."""
-    summary = orjson.loads((folder / "summary.json").read_bytes())
-    sft_file = folder / "sft" / "sft.json"
-    sft = orjson.loads(sft_file.read_bytes()) if sft_file.exists() else None
-    sft_s = sft["wall_s"] if sft else 0.0
-    curve = sorted(summary.get("eval_curve") or [], key=lambda r: r["step"])
+    run = read_run(folder)
+    sft, curve = run.sft, run.curve
+    sft_s = sft.get("wall_s", 0.0)
     reached = {}
     for threshold in thresholds:
-        at = time_at(curve, threshold)
-        reached[str(threshold)] = None if at is None else {**at, "recipe_s": round(at["wall_s"] + sft_s, 3)}
+        at = first_reaching(curve, threshold)
+        reached[str(threshold)] = None if at is None else {"wall_s": at["wall_s"], "step": at["step"],
+                                                           "recipe_s": round(at["wall_s"] + sft_s, 3)}
     first, last = (curve[0], curve[-1]) if curve else ({}, {})
-    return {"sft_s": sft_s, "sft_train_s": sft["train_s"] if sft else None,
+    return {"sft_s": sft_s, "sft_train_s": sft.get("train_s"),
             "sft_loss": [sft["loss_first"], sft["loss_last"]] if sft else None,
-            "steps": summary.get("steps"), "wall_s": summary.get("wall_s"),
+            "steps": run.summary.get("steps"), "wall_s": run.summary.get("wall_s"),
             "first_eval": {k: first.get(k) for k in ("pass_rate", "strict_rate")},
             "last_eval": {k: last.get(k) for k in ("step", "wall_s", "pass_rate", "strict_rate")},
             "best_pass": max((r["pass_rate"] for r in curve), default=None),
-            "reached": reached, "error": summary.get("error"),
+            "reached": reached, "error": run.summary.get("error"),
             "eval_curve": [{k: r[k] for k in ("step", "wall_s", "pass_rate", "strict_rate")} for r in curve]}
 
 

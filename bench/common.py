@@ -206,15 +206,49 @@ def parse_list(text: str, kind: Callable[[str], Any] = str) -> list[Any]:
     return [kind(x.strip()) for x in text.split(",") if x.strip()]
 
 
+def eval_curve(summary: dict) -> list[dict]:
+    """A run summary's evals in step order (summary.json keeps them in the order they finished)."""
+    return sorted(summary.get("eval_curve") or [], key=lambda r: r["step"])
+
+
+def first_reaching(curve: list[dict], threshold: float) -> dict | None:
+    """The first eval of a step-ordered curve whose pass rate is at least `threshold`."""
+    return next((row for row in curve if row["pass_rate"] >= threshold), None)
+
+
 def final_pass_rate(summary: dict) -> float | None:
     """Pass rate of the last eval (the run's final eval), or None if it never evaluated."""
-    curve = sorted(summary.get("eval_curve") or [], key=lambda r: r["step"])
+    curve = eval_curve(summary)
     return curve[-1]["pass_rate"] if curve else None
 
 
 def initial_pass_rate(summary: dict) -> float | None:
-    curve = sorted(summary.get("eval_curve") or [], key=lambda r: r["step"])
+    curve = eval_curve(summary)
     return curve[0]["pass_rate"] if curve else None
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """What a finished run folder holds that the benches read: its summary, its evals in step
+    order, its trained samples (samples.jsonl rows of trained steps, not dropped), its eval
+    samples, and its cold start's sft/sft.json ({} for a run without one)."""
+
+    summary: dict
+    curve: list[dict]
+    trained: list[dict]
+    evals: list[dict]
+    sft: dict
+
+
+def read_run(folder: Path) -> RunFiles:
+    summary = orjson.loads((folder / "summary.json").read_bytes())
+    samples = folder / "samples.jsonl"
+    rows = [orjson.loads(line) for line in samples.read_bytes().splitlines()] if samples.exists() else []
+    sft_file = folder / "sft" / "sft.json"
+    return RunFiles(summary=summary, curve=eval_curve(summary),
+                    trained=[r for r in rows if r.get("kind") == "train" and r.get("dropped") is None and r.get("step")],
+                    evals=[r for r in rows if r.get("kind") == "eval"],
+                    sft=orjson.loads(sft_file.read_bytes()) if sft_file.exists() else {})
 
 
 def stats(values: Sequence[float | None]) -> dict[str, float | None]:

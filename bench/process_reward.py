@@ -48,6 +48,7 @@ from bench.common import (  # noqa: E402
     TINY_BATCH,
     Cell,
     command_line,
+    eval_curve,
     fmt,
     grid_parser,
     mean,
@@ -87,7 +88,7 @@ def eval_points(summary: dict, steps: list[dict]) -> list[dict]:
     for row in steps:
         at[row["version"]] = (row.get("gen_tokens", 0), row.get("continuation_tokens", 0))
     points = []
-    for e in sorted(summary.get("eval_curve") or [], key=lambda r: r["step"]):
+    for e in eval_curve(summary):
         gen, cont = at.get(e["version"], (None, None))
         points.append({"step": e["step"], "version": e["version"], "wall_s": e["wall_s"],
                        "pass_rate": e["pass_rate"], "strict_rate": e.get("strict_rate"),

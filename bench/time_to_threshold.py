@@ -47,7 +47,9 @@ from bench.common import (  # noqa: E402
     TINY_BATCH,
     Cell,
     command_line,
+    eval_curve,
     final_pass_rate,
+    first_reaching,
     fmt,
     grid_parser,
     initial_pass_rate,
@@ -98,10 +100,8 @@ def cells(modes: list[str], objectives: list[str | None], seeds: list[int], sett
 def time_at(summary: dict, threshold: float) -> float | None:
     """Wall seconds of the first eval (by step) with pass rate >= threshold, else None: a lower
     threshold than the one a run stopped at, read off its eval curve."""
-    for row in sorted(summary.get("eval_curve") or [], key=lambda r: r["step"]):
-        if row["pass_rate"] >= threshold:
-            return row["wall_s"]
-    return None
+    row = first_reaching(eval_curve(summary), threshold)
+    return None if row is None else row["wall_s"]
 
 
 def aggregate(records: list[dict], threshold: float | None = None) -> dict[str, Any]:
@@ -190,7 +190,7 @@ def plot(records: list[dict], agg: dict, threshold: float, path: Path) -> None:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k, key in enumerate(agg["groups"]):
         color = colors[k % len(colors)]
-        curves = [sorted(r["summary"]["eval_curve"], key=lambda e: e["step"]) for r in records
+        curves = [eval_curve(r["summary"]) for r in records
                   if f"{r['mode']}/{r['objective']}" == key and r["summary"].get("error") is None
                   and r["summary"].get("eval_curve")]
         by_step: dict[int, list[tuple[float, float]]] = {}

@@ -40,6 +40,7 @@ from bench.common import (  # noqa: E402
     grid_parser,
     parse_list,
     print_table,
+    read_run,
     shown_path,
     write_json,
 )
@@ -84,19 +85,15 @@ def window(rows: list[dict]) -> dict[str, Any]:
 
 def run_record(folder: Path) -> dict[str, Any]:
     """What one tool run measured (module docstring), read off its folder."""
-    summary = orjson.loads((folder / "summary.json").read_bytes())
-    rows = [orjson.loads(line) for line in (folder / "samples.jsonl").read_bytes().splitlines()]
-    trained = [r for r in rows if r.get("kind") == "train" and r.get("dropped") is None and r.get("step")]
+    run = read_run(folder)
+    trained, curve = run.trained, run.curve
     steps = sorted({r["step"] for r in trained})
-    curve = sorted(summary.get("eval_curve") or [], key=lambda e: e["step"])
-    evals = [r for r in rows if r.get("kind") == "eval"]
-    sft = orjson.loads((folder / "sft" / "sft.json").read_bytes()) if (folder / "sft" / "sft.json").exists() else {}
-    return {"steps": summary.get("steps"), "wall_s": summary.get("wall_s"), "sft_s": sft.get("wall_s"),
-            "episode_failures": summary.get("episode_failures", 0),
+    return {"steps": run.summary.get("steps"), "wall_s": run.summary.get("wall_s"), "sft_s": run.sft.get("wall_s"),
+            "episode_failures": run.summary.get("episode_failures", 0),
             "first_steps": window([r for r in trained if r["step"] in steps[:EDGE]]),
             "last_steps": window([r for r in trained if r["step"] in steps[-EDGE:]]),
-            "first_eval": window([r for r in evals if curve and r["step"] == curve[0]["step"]]),
-            "last_eval": window([r for r in evals if curve and r["step"] == curve[-1]["step"]]),
+            "first_eval": window([r for r in run.evals if curve and r["step"] == curve[0]["step"]]),
+            "last_eval": window([r for r in run.evals if curve and r["step"] == curve[-1]["step"]]),
             "eval_curve": [{k: e[k] for k in ("step", "wall_s", "pass_rate", "strict_rate")} for e in curve]}
 
 
