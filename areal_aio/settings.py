@@ -43,8 +43,10 @@ TASK_FILES = {"jsonl": None, "parquet": "pyarrow", "datasets": "datasets"}
 """task.name -> the package its reader needs (None: the standard library)."""
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 """run.report_to name -> the package it needs (each an optional extra of the same name)."""
-SFT_GENERATED = ("arithmetic", "calculator", "chain")
-"""Tasks with reference replies `sft.data = generated` writes (app/sft.py generated_pairs)."""
+SFT_GENERATED = ("arithmetic", "calculator", "chain", "functions")
+"""Tasks whose generated reference replies (app/sft.py generated_pairs) a run tunes on first
+when sft.before_run = auto. code and humaneval have generated replies too (their reference
+solutions), tuned on only when asked (on): a warm start on CodeI/O was not measured."""
 CODE_TASKS = ("code", "humaneval", "functions")
 """task.name of the built-in code tasks (rewards/code_tasks.py, rewards/function_tasks.py), judged by
 running the reply's program in the sandbox (rewards/code.py, rewards/sandbox.py)."""
@@ -319,8 +321,8 @@ class ControllerSettings:
 
 @dataclass(frozen=True, slots=True)
 class SftSettings:
-    before_run: str = opt("auto", "A cold start inside `python -m areal_aio run`: first sft.steps steps on sft.data (the trainer worker on every core it has, no evals) into <run>/sft/, then RL from that model (docs/cold-start.md). auto: on where there is something to tune on (a JSONL file in sft.data, or the generated replies of task.name = arithmetic, chain or calculator), off elsewhere. A resumed run does not tune again; an embedded Orchestrator trains model.path as given (await areal_aio.app.sft.warm_start first).", choices=("auto", "on", "off"))
-    data: str = opt("generated", "What `python -m areal_aio sft` trains on: generated (the task's reference replies: the worked step-tagged solutions of task.name = chain, the sum written out and the tagged answer of arithmetic, for calculator two pairs per problem: the call <calc>expression</calc>, and after it and the tool's value the tagged value) or a JSONL file of {\"prompt\", \"completion\"} rows or chat rows {\"messages\": [system (optional), user, assistant, tool, ..., assistant]} (the last assistant turn is trained, the turns before it are its context as an episode holds it). Pairs whose prompt is a held-out prompt are left out.")
+    before_run: str = opt("auto", "A cold start inside `python -m areal_aio run`: first sft.steps steps on sft.data (the trainer worker on every core it has, no evals) into <run>/sft/, then RL from that model (docs/cold-start.md). auto: on where there is something to tune on (a JSONL file in sft.data, or the generated replies of task.name = arithmetic, chain, calculator or functions), off elsewhere. A resumed run does not tune again; an embedded Orchestrator trains model.path as given (await areal_aio.app.sft.warm_start first).", choices=("auto", "on", "off"))
+    data: str = opt("generated", "What `python -m areal_aio sft` trains on: generated (the task's reference replies: the worked step-tagged solutions of task.name = chain, the sum written out and the tagged answer of arithmetic, for calculator two pairs per problem: the call <calc>expression</calc>, and after it and the tool's value the tagged value; for a code task its reference solution in a ```python block) or a JSONL file of {\"prompt\", \"completion\"} rows or chat rows {\"messages\": [system (optional), user, assistant, tool, ..., assistant]} (the last assistant turn is trained, the turns before it are its context as an episode holds it). Pairs whose prompt is a held-out prompt are left out.")
     steps: int = opt(20, "Optimizer steps, one per batch of pairs. What the default teaches SmolLM2-135M-Instruct, and in how long: docs/cold-start.md.", ge=1)
     batch_size: int = opt(8, "Prompt/completion pairs per step.", ge=1)
     lr: float = opt(1e-4, "AdamW learning rate, constant (trainer.weight_decay, grad_clip, micro_tokens, bf16, device and threads apply as in a run).", gt=0)

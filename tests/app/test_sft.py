@@ -331,6 +331,8 @@ def test_sft_command_writes_a_loadable_model_and_its_record(tmp_path):
 def test_before_run_auto_is_on_where_there_is_something_to_tune_on(tmp_path):
     assert build_settings({}).sft_before_run and build_settings(CHAIN).sft_before_run
     assert build_settings({}, ["task.name=calculator"]).sft_before_run
+    assert build_settings({}, ["task.name=functions"]).sft_before_run
+    assert not build_settings({}, ["task.name=code"]).sft_before_run  # a CodeI/O warm start was not measured
     tasks = {"task": {"name": "jsonl", "path": str(tmp_path / "tasks.jsonl")}}
     assert not build_settings(tasks).sft_before_run
     assert build_settings({**tasks, "sft": {"data": "pairs.jsonl"}}).sft_before_run
