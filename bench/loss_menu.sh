@@ -37,6 +37,11 @@ sets() {  # the settings of one arm (the others are the file's)
         entropy) echo "--set trainer.entropy_coef=0.001" ;;
         overlong) echo "--set task.overlong_buffer=16" ;;
         lr2x) echo "--set trainer.lr=2e-5" ;;  # not a menu option: the step size the options compete with
+        # the behaviour-policy cap of decoupled PPO (default: mask at 5), for int8 generation's mismatch:
+        #     EXTRA="--set rollout.quantize=int8" bash bench/loss_menu.sh bench/out/int8-caps "0 1 2" "default clamp mask2 clamp2"
+        clamp) echo "--set trainer.cap_mode=clamp" ;;
+        mask2) echo "--set trainer.behav_cap=2" ;;
+        clamp2) echo "--set trainer.cap_mode=clamp --set trainer.behav_cap=2" ;;
         *) echo "unknown arm $1" >&2; exit 2 ;;
     esac
 }

@@ -5,7 +5,8 @@
 
 Per run: the wall seconds and the first eval step at 0.70 and at --threshold held-out pass (None
 where the run ended first), the final pass rate, the mean entropy of its last 5 steps, the
-samples dynamic sampling skipped, and its curves (held-out pass per eval; per step the training
+samples dynamic sampling skipped, the run's mean mismatch_kl (k3), mismatch_k1 and capped_frac
+(the behaviour-policy cap's arms), and its curves (held-out pass per eval; per step the training
 reward, entropy, gradient norm, mean reply tokens and overlong penalty). Per arm: the medians
 over the seeds that reached each level, and each median against the default's (`vs_default_<level>`, below 1 is faster). The figure draws the same:
 held-out pass against wall time, each seed's time to each level with the arm's median, and
@@ -31,6 +32,9 @@ LAST = 5
 """Steps at the end of a run whose entropy is averaged (last_entropy)."""
 SMOOTH = 5
 """Steps in the running mean of the training-reward and entropy curves."""
+MISMATCH = ("mismatch_kl", "mismatch_k1", "capped_frac")
+"""steps.jsonl columns of the gap between the generating and the trained policy, averaged per run
+(the cap arms: mask or clamp at behav_cap, for int8 generation)."""
 
 
 def gather(out: Path, arms: list[str], levels: list[float]) -> tuple[list[dict], dict[str, dict]]:
@@ -41,6 +45,7 @@ def gather(out: Path, arms: list[str], levels: list[float]) -> tuple[list[dict],
         for s, steps, row in arm_runs(out, arm, levels, "areal-*-s*"):
             entropy = [r["entropy"] for r in steps[-LAST:] if r.get("entropy") is not None]
             row.update(last_entropy=statistics.mean(entropy) if entropy else None,
+                       **{f"mean_{key}": run_mean(steps, key) for key in MISMATCH},
                        skipped_uniform=s.get("samples_skipped_uniform", 0),
                        step_curve=[{"step": r["step"], "wall_s": r["wall_s"], "reward_mean": r["reward_mean"],
                                     "entropy": r.get("entropy"), "grad_norm": r.get("grad_norm"),
@@ -58,6 +63,12 @@ def gather(out: Path, arms: list[str], levels: list[float]) -> tuple[list[dict],
             if base.get(key) and row.get(key):
                 row[f"vs_default_{level:.2f}"] = row[key] / base[key]
     return rows, summary
+
+
+def run_mean(steps: list[dict], key: str) -> float | None:
+    """The mean of a steps.jsonl column over a run's steps that have it."""
+    values = [r[key] for r in steps if r.get(key) is not None]
+    return statistics.mean(values) if values else None
 
 
 def running_mean(values: list[float], window: int = SMOOTH) -> list[float]:

@@ -15,7 +15,8 @@ from tests.bench.conftest import write_run
 def write_menu_run(out: Path, arm: str, seed: int, curve: list[tuple[int, float, float]],
                    entropy: list[float], skipped: int = 0) -> None:
     write_run(out, arm, seed, curve, [{"reward_mean": 0.1 * i, "entropy": e, "tokens": 40, "seqs": 4,
-                                       "grad_norm": 2.0} for i, e in enumerate(entropy)],
+                                       "grad_norm": 2.0, "mismatch_kl": 0.002 * (i % 2) if i else None,
+                                       "capped_frac": 0.01} for i, e in enumerate(entropy)],
               samples_skipped_uniform=skipped)
 
 
@@ -40,6 +41,8 @@ def test_the_report_gives_each_arm_its_medians_against_the_default_and_draws_the
     assert runs["default", 1]["time_to_0.80_s"] is None and runs["default", 1]["step_to_0.70"] == 10
     assert runs["default", 0]["last_entropy"] == pytest.approx(sum(entropy[-5:]) / 5)
     assert runs["dynamic", 1]["skipped_uniform"] == 24
+    assert runs["dynamic", 0]["mean_mismatch_kl"] == pytest.approx(0.001)  # steps 1-4: 0.002, 0, 0.002, 0
+    assert runs["dynamic", 0]["mean_capped_frac"] == pytest.approx(0.01) and runs["dynamic", 0]["mean_mismatch_k1"] is None
     assert [p["entropy"] for p in runs["dynamic", 0]["step_curve"]] == entropy[:5]
     assert all(p["reply_tokens"] == 10.0 and p["grad_norm"] == 2.0 and p["overlong"] is None
                for p in runs["dynamic", 0]["step_curve"])
