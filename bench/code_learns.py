@@ -45,8 +45,8 @@ import orjson
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from bench.cold_start import run_cell  # noqa: E402
-from bench.common import TINY_BATCH, fmt, grid_parser, print_table, read_run, shown_path, write_json  # noqa: E402
+from bench.cold_start import QUICK, run_cell  # noqa: E402
+from bench.common import fmt, grid_parser, print_table, read_run, set_args, shown_path, write_json  # noqa: E402
 
 EDGE = 5
 """Trained steps at each end of the run that the spread is read over."""
@@ -54,25 +54,20 @@ CODE = ("controller.reward_timeout_s=15",)
 """What every code process here sets: a sandbox run of 6 tests may take seconds on a busy CPU."""
 FUNCTIONS = ("task.name=functions", "rollout.max_new_tokens=192", *CODE)
 HUMANEVAL = ("task.name=humaneval", "rollout.max_new_tokens=384", *CODE)
-QUICK = (*TINY_BATCH, "run.max_steps=4", "sft.batch_size=4", "trainer.bf16=off")
-
-
-def sets_args(sets: list[str] | tuple[str, ...]) -> list[str]:
-    return [part for kv in sets for part in ("--set", kv)]
 
 
 def run_command(args: argparse.Namespace, folder: Path) -> list[str]:
     sets = [*FUNCTIONS, "sft.before_run=on", f"sft.steps={args.sft_steps}", f"run.seed={args.seed}",
             "run.max_steps=1000", f"run.max_wall_s={args.max_wall_s}", f"task.eval_every={args.eval_every}",
             *(QUICK if args.quick else ()), *args.overrides]
-    return ["-m", "areal_aio", "run", str(shown_path(args.settings)), "--out", str(shown_path(folder)), *sets_args(sets)]
+    return ["-m", "areal_aio", "run", str(shown_path(args.settings)), "--out", str(shown_path(folder)), *set_args(sets)]
 
 
 def eval_command(model: str, args: argparse.Namespace, target: Path, humaneval: bool) -> list[str]:
     sets = [*(HUMANEVAL if humaneval else FUNCTIONS), "rollout.threads=2", *(QUICK if args.quick else ()),
             *args.overrides]
     return ["-m", "areal_aio", "eval", model, str(shown_path(args.settings)), "--out", str(shown_path(target)),
-            *sets_args(sets)]
+            *set_args(sets)]
 
 
 def read_eval(path: Path) -> dict[str, Any] | None:
@@ -157,8 +152,8 @@ def run_record(folder: Path) -> dict[str, Any]:
             "first_steps": spread([r for r in run.trained if r["step"] in steps[:EDGE]]),
             "last_steps": spread([r for r in run.trained if r["step"] in steps[-EDGE:]]),
             "per_step": [{k: row.get(k) for k in ("step", "spread_share", "pass_rate")} for row in per_step],
-            "held_out_last_vs_first": paired(*(eval_at(run.evals, e["step"]) for e in run.curve[::len(run.curve) - 1]))
-            if len(run.curve) > 1 else None,
+            "held_out_last_vs_first": paired(eval_at(run.evals, run.curve[0]["step"]),
+                                             eval_at(run.evals, run.curve[-1]["step"])) if len(run.curve) > 1 else None,
             "eval_curve": [{k: e.get(k) for k in ("step", "wall_s", "pass_rate")} for e in run.curve]}
 
 
@@ -169,8 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sft-steps", type=int, default=40, help="sft.steps of the warm start")
     ap.add_argument("--eval-every", type=int, default=10, help="task.eval_every of the run")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.sft_steps = 2
     base = "embedded:tiny-random" if args.quick else "embedded:smollm2-135m-instruct"
     folder = args.out / "run"
     warm = folder / "sft" / "model"

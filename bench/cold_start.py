@@ -43,6 +43,7 @@ from bench.common import (  # noqa: E402
     parse_list,
     print_table,
     read_run,
+    set_args,
     shown_path,
     write_json,
 )
@@ -57,7 +58,7 @@ def cell_command(arm: str, seed: int, args: argparse.Namespace, folder: Path) ->
             *([f"run.max_wall_s={args.max_wall_s}"] if args.max_wall_s else []),
             *(QUICK if args.quick else ()), *args.overrides]
     return ["-m", "areal_aio", "run", str(shown_path(args.settings)), "--out", str(shown_path(folder)),
-            *[part for kv in sets for part in ("--set", kv)]]
+            *set_args(sets)]
 
 
 def run_cell(command: list[str], log: Path, clear: Path | None = None) -> float:

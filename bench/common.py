@@ -201,6 +201,11 @@ def shown_path(path: str | Path | None) -> str | None:
         return str(path)
 
 
+def set_args(sets: Sequence[str]) -> list[str]:
+    """["k=v", ...] -> ["--set", "k=v", ...]: overrides as a command line takes them."""
+    return [part for kv in sets for part in ("--set", kv)]
+
+
 def parse_list(text: str, kind: Callable[[str], Any] = str) -> list[Any]:
     """'a,b,c' -> [kind(a), kind(b), kind(c)] (blanks skipped)."""
     return [kind(x.strip()) for x in text.split(",") if x.strip()]
@@ -269,7 +274,7 @@ def fmt(value: float | None, spec: str = ".2f") -> str:
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], title: str = "") -> None:
     """A plain text table on stdout, columns as wide as their widest cell."""
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    widths = [max([len(str(h)), *(len(str(r[i])) for r in rows)]) for i, h in enumerate(headers)]
     if title:
         print(title)
     print("  ".join(f"{h:>{w}}" if i else f"{h:<{w}}" for i, (h, w) in enumerate(zip(headers, widths, strict=True))))

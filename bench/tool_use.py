@@ -33,21 +33,20 @@ import orjson
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from bench.cold_start import run_cell  # noqa: E402
+from bench.cold_start import QUICK, run_cell  # noqa: E402
 from bench.common import (  # noqa: E402
-    TINY_BATCH,
     fmt,
     grid_parser,
     parse_list,
     print_table,
     read_run,
+    set_args,
     shown_path,
     write_json,
 )
 
 EDGE = 5
 """Trained steps at each end of a run that the training-side rates are read over."""
-QUICK = (*TINY_BATCH, "run.max_steps=4", "sft.steps=2", "sft.batch_size=4", "trainer.bf16=off")
 
 
 def task_sets(args: argparse.Namespace) -> list[str]:
@@ -59,13 +58,13 @@ def run_command(seed: int, args: argparse.Namespace, folder: Path) -> list[str]:
     sets = ["task.name=calculator", "sft.before_run=on", f"run.seed={seed}", "run.max_steps=1000",
             f"run.max_wall_s={args.max_wall_s}", *task_sets(args)]
     return ["-m", "areal_aio", "run", str(shown_path(args.settings)), "--out", str(shown_path(folder)),
-            *[part for kv in sets for part in ("--set", kv)]]
+            *set_args(sets)]
 
 
 def eval_command(model: str, args: argparse.Namespace, target: Path, tool: bool) -> list[str]:
     sets = [f"task.name={'calculator' if tool else 'arithmetic'}", *task_sets(args)]
     return ["-m", "areal_aio", "eval", model, str(shown_path(args.settings)), "--out", str(shown_path(target)),
-            *[part for kv in sets for part in ("--set", kv)]]
+            *set_args(sets)]
 
 
 def window(rows: list[dict]) -> dict[str, Any]:
