@@ -36,6 +36,7 @@ import dataclasses
 import itertools
 import os
 import random
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -55,6 +56,7 @@ from areal_aio.control.evaluation import (
     sample_rows,
     score,
 )
+from areal_aio.control.keeping import STOP_SAVE_TIMEOUT_S
 from areal_aio.control.progress import say
 from areal_aio.control.sources import eval_tasks, training_tasks
 from areal_aio.rewards.scoring import Scorer, load_rewards
@@ -388,30 +390,68 @@ async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:
     store = WeightStore.create(f"sft-{folder.name}")
     rows: list[dict[str, Any]] = []
 
+    def record(msg: Any, fh: Any, t_start: float) -> None:
+        """One Trained reply: a steps.jsonl row (and the progress line)."""
+        if not isinstance(msg, wire.Trained):
+            raise trainer.failure(msg)
+        row = {"step": len(rows) + 1, **msg.stats, "wall_s": round(time.perf_counter() - t_start, 3)}
+        rows.append(row)
+        fh.write(orjson.dumps(row) + b"\n")
+        fh.flush()
+        if settings.run.progress:
+            say(f"sft step {row['step']}/{cfg.steps}: loss {row['loss']:.4f}, {row['tokens']} tokens, "
+                f"{row['seconds']:.1f}s", folder=folder)
+
+    async def save(fh: Any, t_start: float) -> None:
+        """model/ written whole or not at all (a temp folder renamed); a step still in flight
+        answers first and is recorded."""
+        tmp = folder / ".model.tmp"
+        await trainer.send(wire.Save("model", str(tmp)))
+        while isinstance(msg := await trainer.recv(), wire.Trained):
+            record(msg, fh, t_start)
+        if not isinstance(msg, wire.Saved):
+            raise trainer.failure(msg)
+        tmp.rename(folder / "model")
+
     async def train() -> float:
         t_start = time.perf_counter()
         await trainer.start(wire.Init("trainer", trainer_settings.to_dict(), str(store.root)))
         t_train = time.perf_counter()
         with open(folder / "steps.jsonl", "ab") as fh:
-            for step, batch in enumerate(tokenized, start=1):
-                await trainer.send(wire.Train(step, step - 1, train_samples(batch, step - 1),
-                                              objective=SFT, publish=False))
-                msg = await trainer.recv()
-                if not isinstance(msg, wire.Trained):
-                    raise trainer.failure(msg)
-                row = {"step": step, **msg.stats, "wall_s": round(time.perf_counter() - t_start, 3)}
-                rows.append(row)
-                fh.write(orjson.dumps(row) + b"\n")
-                fh.flush()
-                if settings.run.progress:
-                    say(f"sft step {step}/{cfg.steps}: loss {row['loss']:.4f}, {row['tokens']} tokens, "
-                        f"{row['seconds']:.1f}s", folder=folder)
-        train_s = time.perf_counter() - t_train
-        await trainer.send(wire.Save("model", str(folder / "model")))
-        msg = await trainer.recv()
-        if not isinstance(msg, wire.Saved):
-            raise trainer.failure(msg)
+            try:
+                for step, batch in enumerate(tokenized, start=1):
+                    await trainer.send(wire.Train(step, step - 1, train_samples(batch, step - 1),
+                                                  objective=SFT, publish=False))
+                    record(await trainer.recv(), fh, t_start)
+            except asyncio.CancelledError:  # stopped: keep the steps made (cli's exit line follows)
+                await keep_stopped(save(fh, t_start))
+                raise
+            train_s = time.perf_counter() - t_train
+            await save(fh, t_start)
         return train_s
+
+    async def keep_stopped(saving: Any) -> None:
+        """A stopped tuning keeps what it learned: the step in flight ends, model/ is written and
+        sft.json says how far it got. Keeping never hides the stop: a failure is one line."""
+        try:
+            await asyncio.wait_for(saving, STOP_SAVE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the stop is what the caller reports
+            say(f"areal_aio: could not write the tuned model: {exc}", folder=folder)
+            return
+        finally:
+            shutil.rmtree(folder / ".model.tmp", ignore_errors=True)
+        summary = {**common(), "ended": "interrupted", "steps_done": len(rows),
+                   "wall_s": round(time.perf_counter() - t0, 3)}
+        (folder / "sft.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+        say(f"sft stopped at step {len(rows)} of {cfg.steps}: the model so far is in {folder / 'model'}",
+            folder=folder)
+
+    def common() -> dict[str, Any]:
+        """What sft.json holds for a finished or a stopped tuning."""
+        return {"model": str(folder / "model"), "base_model": settings.model.path, "task": settings.task.name,
+                "data": cfg.data, "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
+                "tokens_trained": sum(r["tokens"] for r in rows),
+                "loss_first": rows[0]["loss"] if rows else None, "loss_last": rows[-1]["loss"] if rows else None}
 
     evaluating = None
     try:
@@ -428,12 +468,9 @@ async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:
         tuned = dataclasses.replace(settings, model=dataclasses.replace(settings.model, path=str(folder / "model")))
         after = await evaluate(tuned, {"after": eval_set}, folder, "eval-after-rollout.log")
     summary = {
-        "model": str(folder / "model"), "base_model": settings.model.path, "task": settings.task.name,
-        "data": cfg.data, "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
+        **common(), "ended": "completed", "steps_done": len(rows),
         "pairs": sum(map(len, plan)), "distinct_prompts": len({p.prompt for b in plan for p in b}),
         "completion_tokens_max": longest, "completions_over_max_new_tokens": too_long,
-        "tokens_trained": sum(r["tokens"] for r in rows),
-        "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
         "train_s": round(training.result(), 3), "wall_s": round(time.perf_counter() - t0, 3),
         "eval_size": len(eval_set), "max_new_tokens": settings.rollout.max_new_tokens,
         **before, **after,

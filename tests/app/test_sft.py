@@ -395,8 +395,9 @@ def children(pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_sigterm_during_the_cold_start_stops_cleanly(tmp_path):
-    """SIGTERM while the run tunes: exit 143 with one line, the tuning's worker gone, its
-    /dev/shm folder removed, and no RL run started."""
+    """SIGTERM while the run tunes: exit 143, the tuning's worker gone, its /dev/shm folder
+    removed, no RL run started, and what the tuning learned kept: the step in flight ends,
+    sft/model/ is written whole and sft.json says how far it got."""
     out = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"), "--out", str(out),
@@ -415,4 +416,10 @@ def test_sigterm_during_the_cold_start_stops_cleanly(tmp_path):
     assert "terminated; workers stopped" in err and "Traceback" not in err
     assert workers and not any(Path(f"/proc/{pid}").exists() and alive(pid) for pid in workers)
     assert not Path(f"/dev/shm/areal_aio/sft-sft-{proc.pid}").exists()
-    assert not (out / "summary.json").exists() and not (out / "sft" / "model").exists()
+    assert not (out / "summary.json").exists()
+    done = len(steps.read_text().splitlines())
+    record = orjson.loads((out / "sft" / "sft.json").read_bytes())
+    assert record["ended"] == "interrupted" and record["steps_done"] == done >= 1 and record["steps"] == 500
+    assert f"sft stopped at step {done} of 500: the model so far is in {out / 'sft' / 'model'}" in err
+    assert (out / "sft" / "model" / "config.json").exists() and (out / "sft" / "model" / "model.safetensors").exists()
+    assert not (out / "sft" / ".model.tmp").exists()
