@@ -460,8 +460,10 @@ async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:
             if eval_set:  # the base model's eval runs beside the training
                 evaluating = tg.create_task(evaluate(settings, stages, folder, "eval-before-rollout.log"))
     finally:
-        await trainer.stop()
-        store.close()
+        try:
+            await trainer.stop()
+        finally:  # the /dev/shm folder goes whatever the stop raised
+            store.close()
     before = evaluating.result() if evaluating is not None else {}
     after: dict[str, Any] = {}
     if eval_set:
