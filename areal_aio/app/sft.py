@@ -40,7 +40,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -386,91 +386,23 @@ async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:
         stages["before_plain"] = plain
     trainer_settings = dataclasses.replace(settings, trainer=dataclasses.replace(
         settings.trainer, lr=cfg.lr, minibatches=1, kl_coef=0.0))
-    trainer = placement.trainer_client(trainer_settings, folder)
-    store = WeightStore.create(f"sft-{folder.name}")
-    rows: list[dict[str, Any]] = []
-
-    def record(msg: Any, fh: Any, t_start: float) -> None:
-        """One Trained reply: a steps.jsonl row (and the progress line)."""
-        if not isinstance(msg, wire.Trained):
-            raise trainer.failure(msg)
-        row = {"step": len(rows) + 1, **msg.stats, "wall_s": round(time.perf_counter() - t_start, 3)}
-        rows.append(row)
-        fh.write(orjson.dumps(row) + b"\n")
-        fh.flush()
-        if settings.run.progress:
-            say(f"sft step {row['step']}/{cfg.steps}: loss {row['loss']:.4f}, {row['tokens']} tokens, "
-                f"{row['seconds']:.1f}s", folder=folder)
-
-    async def save(fh: Any, t_start: float) -> None:
-        """model/ written whole or not at all (a temp folder renamed); a step still in flight
-        answers first and is recorded."""
-        tmp = folder / ".model.tmp"
-        await trainer.send(wire.Save("model", str(tmp)))
-        while isinstance(msg := await trainer.recv(), wire.Trained):
-            record(msg, fh, t_start)
-        if not isinstance(msg, wire.Saved):
-            raise trainer.failure(msg)
-        tmp.rename(folder / "model")
-
-    async def train() -> float:
-        t_start = time.perf_counter()
-        await trainer.start(wire.Init("trainer", trainer_settings.to_dict(), str(store.root)))
-        t_train = time.perf_counter()
-        with open(folder / "steps.jsonl", "ab") as fh:
-            try:
-                for step, batch in enumerate(tokenized, start=1):
-                    await trainer.send(wire.Train(step, step - 1, train_samples(batch, step - 1),
-                                                  objective=SFT, publish=False))
-                    record(await trainer.recv(), fh, t_start)
-            except asyncio.CancelledError:  # stopped: keep the steps made (cli's exit line follows)
-                await keep_stopped(save(fh, t_start))
-                raise
-            train_s = time.perf_counter() - t_train
-            await save(fh, t_start)
-        return train_s
-
-    async def keep_stopped(saving: Any) -> None:
-        """A stopped tuning keeps what it learned: the step in flight ends, model/ is written and
-        sft.json says how far it got. Keeping never hides the stop: a failure is one line."""
-        try:
-            await asyncio.wait_for(saving, STOP_SAVE_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - the stop is what the caller reports
-            say(f"areal_aio: could not write the tuned model: {exc}", folder=folder)
-            return
-        finally:
-            shutil.rmtree(folder / ".model.tmp", ignore_errors=True)
-        summary = {**common(), "ended": "interrupted", "steps_done": len(rows),
-                   "wall_s": round(time.perf_counter() - t0, 3)}
-        (folder / "sft.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-        say(f"sft stopped at step {len(rows)} of {cfg.steps}: the model so far is in {folder / 'model'}",
-            folder=folder)
-
-    def common() -> dict[str, Any]:
-        """What sft.json holds for a finished or a stopped tuning."""
-        return {"model": str(folder / "model"), "base_model": settings.model.path, "task": settings.task.name,
-                "data": cfg.data, "steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
-                "tokens_trained": sum(r["tokens"] for r in rows),
-                "loss_first": rows[0]["loss"] if rows else None, "loss_last": rows[-1]["loss"] if rows else None}
-
+    tuning = Tuning(settings, folder, placement.trainer_client(trainer_settings, folder),
+                    WeightStore.create(f"sft-{folder.name}"), t0)
     evaluating = None
     try:
         async with asyncio.TaskGroup() as tg:
-            training = tg.create_task(train())
+            training = tg.create_task(tuning.train(trainer_settings, tokenized))
             if eval_set:  # the base model's eval runs beside the training
                 evaluating = tg.create_task(evaluate(settings, stages, folder, "eval-before-rollout.log"))
     finally:
-        try:
-            await trainer.stop()
-        finally:  # the /dev/shm folder goes whatever the stop raised
-            store.close()
+        await tuning.close()
     before = evaluating.result() if evaluating is not None else {}
     after: dict[str, Any] = {}
     if eval_set:
         tuned = dataclasses.replace(settings, model=dataclasses.replace(settings.model, path=str(folder / "model")))
         after = await evaluate(tuned, {"after": eval_set}, folder, "eval-after-rollout.log")
     summary = {
-        **common(), "ended": "completed", "steps_done": len(rows),
+        **tuning.record(), "ended": "completed",
         "pairs": sum(map(len, plan)), "distinct_prompts": len({p.prompt for b in plan for p in b}),
         "completion_tokens_max": longest, "completions_over_max_new_tokens": too_long,
         "train_s": round(training.result(), 3), "wall_s": round(time.perf_counter() - t0, 3),
@@ -479,6 +411,89 @@ async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:
     }
     (folder / "sft.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     return summary
+
+
+@dataclass
+class Tuning:
+    """The trainer worker's side of a tuning: the steps, steps.jsonl, model/ and, when it is
+    stopped, the model so far (what a stopped run keeps, a stopped tuning keeps too)."""
+
+    settings: Settings
+    folder: Path
+    trainer: Any  # fleet.client.WorkerClient
+    store: Any  # store.weights.WeightStore: the trainer's /dev/shm folder (nothing is published)
+    t0: float
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    async def train(self, trainer_settings: Settings, tokenized: list) -> float:
+        """Every step, then model/; returns the seconds of the steps alone."""
+        t_start = time.perf_counter()
+        await self.trainer.start(wire.Init("trainer", trainer_settings.to_dict(), str(self.store.root)))
+        t_train = time.perf_counter()
+        with open(self.folder / "steps.jsonl", "ab") as fh:
+            try:
+                for step, batch in enumerate(tokenized, start=1):
+                    await self.trainer.send(wire.Train(step, step - 1, train_samples(batch, step - 1),
+                                                       objective=SFT, publish=False))
+                    self._step(await self.trainer.recv(), fh, t_start)
+            except asyncio.CancelledError:  # stopped: keep the steps made (the command's exit line follows)
+                await self._keep_stopped(self._save(fh, t_start))
+                raise
+            train_s = time.perf_counter() - t_train
+            await self._save(fh, t_start)
+        return train_s
+
+    async def close(self) -> None:
+        try:
+            await self.trainer.stop()
+        finally:  # the /dev/shm folder goes whatever the stop raised
+            self.store.close()
+
+    def record(self) -> dict[str, Any]:
+        """What sft.json holds for a finished or a stopped tuning."""
+        cfg, rows = self.settings.sft, self.rows
+        return {"model": str(self.folder / "model"), "base_model": self.settings.model.path,
+                "task": self.settings.task.name, "data": cfg.data, "steps": cfg.steps, "steps_done": len(rows),
+                "batch_size": cfg.batch_size, "lr": cfg.lr, "tokens_trained": sum(r["tokens"] for r in rows),
+                "loss_first": rows[0]["loss"] if rows else None, "loss_last": rows[-1]["loss"] if rows else None}
+
+    def _step(self, msg: Any, fh: Any, t_start: float) -> None:
+        """One Trained reply: a steps.jsonl row (and the progress line)."""
+        if not isinstance(msg, wire.Trained):
+            raise self.trainer.failure(msg)
+        row = {"step": len(self.rows) + 1, **msg.stats, "wall_s": round(time.perf_counter() - t_start, 3)}
+        self.rows.append(row)
+        fh.write(orjson.dumps(row) + b"\n")
+        fh.flush()
+        if self.settings.run.progress:
+            say(f"sft step {row['step']}/{self.settings.sft.steps}: loss {row['loss']:.4f}, {row['tokens']} "
+                f"tokens, {row['seconds']:.1f}s", folder=self.folder)
+
+    async def _save(self, fh: Any, t_start: float) -> None:
+        """model/ written whole or not at all (a temp folder renamed); a step still in flight
+        answers first and is recorded."""
+        tmp = self.folder / ".model.tmp"
+        await self.trainer.send(wire.Save("model", str(tmp)))
+        while isinstance(msg := await self.trainer.recv(), wire.Trained):
+            self._step(msg, fh, t_start)
+        if not isinstance(msg, wire.Saved):
+            raise self.trainer.failure(msg)
+        tmp.rename(self.folder / "model")
+
+    async def _keep_stopped(self, saving: Any) -> None:
+        """A stopped tuning keeps what it learned: the step in flight ends, model/ is written and
+        sft.json says how far it got. Keeping never hides the stop: a failure is one line."""
+        try:
+            await asyncio.wait_for(saving, STOP_SAVE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the stop is what the caller reports
+            say(f"areal_aio: could not write the tuned model: {exc}", folder=self.folder)
+            return
+        finally:
+            shutil.rmtree(self.folder / ".model.tmp", ignore_errors=True)
+        summary = {**self.record(), "ended": "interrupted", "wall_s": round(time.perf_counter() - self.t0, 3)}
+        (self.folder / "sft.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+        say(f"sft stopped at step {len(self.rows)} of {self.settings.sft.steps}: the model so far is in "
+            f"{self.folder / 'model'}", folder=self.folder)
 
 
 def _tokenize_all(settings: Settings, plan: list[list[Pair]]) -> list[list[tuple[list[int], list[int]]]]:
