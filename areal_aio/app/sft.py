@@ -386,12 +386,12 @@ async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:
         stages["before_plain"] = plain
     trainer_settings = dataclasses.replace(settings, trainer=dataclasses.replace(
         settings.trainer, lr=cfg.lr, minibatches=1, kl_coef=0.0))
-    tuning = Tuning(settings, folder, placement.trainer_client(trainer_settings, folder),
+    tuning = Tuning(trainer_settings, folder, placement.trainer_client(trainer_settings, folder),
                     WeightStore.create(f"sft-{folder.name}"), t0)
     evaluating = None
     try:
         async with asyncio.TaskGroup() as tg:
-            training = tg.create_task(tuning.train(trainer_settings, tokenized))
+            training = tg.create_task(tuning.train(tokenized))
             if eval_set:  # the base model's eval runs beside the training
                 evaluating = tg.create_task(evaluate(settings, stages, folder, "eval-before-rollout.log"))
     finally:
@@ -418,17 +418,17 @@ class Tuning:
     """The trainer worker's side of a tuning: the steps, steps.jsonl, model/ and, when it is
     stopped, the model so far (what a stopped run keeps, a stopped tuning keeps too)."""
 
-    settings: Settings
+    settings: Settings  # the run's, with the trainer's lr, one mini-batch and no KL (fine_tune)
     folder: Path
     trainer: Any  # fleet.client.WorkerClient
     store: Any  # store.weights.WeightStore: the trainer's /dev/shm folder (nothing is published)
     t0: float
     rows: list[dict[str, Any]] = field(default_factory=list)
 
-    async def train(self, trainer_settings: Settings, tokenized: list) -> float:
+    async def train(self, tokenized: list) -> float:
         """Every step, then model/; returns the seconds of the steps alone."""
         t_start = time.perf_counter()
-        await self.trainer.start(wire.Init("trainer", trainer_settings.to_dict(), str(self.store.root)))
+        await self.trainer.start(wire.Init("trainer", self.settings.to_dict(), str(self.store.root)))
         t_train = time.perf_counter()
         with open(self.folder / "steps.jsonl", "ab") as fh:
             try:
@@ -437,17 +437,20 @@ class Tuning:
                                                        objective=SFT, publish=False))
                     self._step(await self.trainer.recv(), fh, t_start)
             except asyncio.CancelledError:  # stopped: keep the steps made (the command's exit line follows)
-                await self._keep_stopped(self._save(fh, t_start))
+                await self._keep_stopped(fh, t_start)
                 raise
             train_s = time.perf_counter() - t_train
             await self._save(fh, t_start)
         return train_s
 
     async def close(self) -> None:
+        """The trainer stopped, then what it may have been writing into removed: its /dev/shm
+        folder and a model/ it did not finish, whatever the stop raised."""
         try:
             await self.trainer.stop()
-        finally:  # the /dev/shm folder goes whatever the stop raised
+        finally:
             self.store.close()
+            shutil.rmtree(self.folder / ".model.tmp", ignore_errors=True)
 
     def record(self) -> dict[str, Any]:
         """What sft.json holds for a finished or a stopped tuning."""
@@ -480,16 +483,14 @@ class Tuning:
             raise self.trainer.failure(msg)
         tmp.rename(self.folder / "model")
 
-    async def _keep_stopped(self, saving: Any) -> None:
+    async def _keep_stopped(self, fh: Any, t_start: float) -> None:
         """A stopped tuning keeps what it learned: the step in flight ends, model/ is written and
         sft.json says how far it got. Keeping never hides the stop: a failure is one line."""
         try:
-            await asyncio.wait_for(saving, STOP_SAVE_TIMEOUT_S)
+            await asyncio.wait_for(self._save(fh, t_start), STOP_SAVE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - the stop is what the caller reports
             say(f"areal_aio: could not write the tuned model: {exc}", folder=self.folder)
             return
-        finally:
-            shutil.rmtree(self.folder / ".model.tmp", ignore_errors=True)
         summary = {**self.record(), "ended": "interrupted", "wall_s": round(time.perf_counter() - self.t0, 3)}
         (self.folder / "sft.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
         say(f"sft stopped at step {len(self.rows)} of {self.settings.sft.steps}: the model so far is in "
