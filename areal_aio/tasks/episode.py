@@ -49,6 +49,7 @@ completion_ids never hold more than episode_tokens ids, whatever a turn's text w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -313,7 +314,12 @@ class Model:
         return left
 
     def _restart_clock(self, left: float | None) -> None:
-        if left is not None and self.clock is not None and not self.clock.expired():
+        """Give the episode's time bound back the seconds it had left, unless its block has ended:
+        a reply asked through the endpoint runs in the call's task, which the episode's end
+        cancels only after the bound's block is gone."""
+        if left is None or self.clock is None or self.clock.expired():
+            return
+        with contextlib.suppress(RuntimeError):  # asyncio.Timeout: its block exited, nothing to restart
             self.clock.reschedule(asyncio.get_running_loop().time() + left)
 
     def _turns_to_send(self, added: list[tuple[dict[str, Any], str]]) -> list[dict[str, str]] | None:

@@ -3,6 +3,8 @@ sample (its ids), the worker (its text) and the record (an excerpt); fake worker
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 
@@ -79,6 +81,25 @@ async def test_turn_texts_are_cut_together_on_a_character_boundary_and_their_ids
     assert model.transcript.completion_ids == [7, 100, 101] and model.transcript.mask == [1, 0, 0]
     assert model.transcript.turns[1]["tokens"] == 2 and model.transcript.turns[1]["cut"]
     assert model.transcript.turns[-1] == {"role": "assistant", "text": "", "tokens": 0, "trained": True}
+
+
+async def test_a_reply_in_another_task_cancelled_after_the_episodes_bound_ended_raises_cancelled():
+    """As through the endpoint: the reply runs in the call's task, and the episode's end cancels
+    that task only after the block of its time bound has exited."""
+    asked = asyncio.Event()
+
+    async def request(ask):
+        asked.set()
+        await asyncio.sleep(3600)
+
+    model = Model(Bounds(turns=4, tokens=64, timeout_s=10, max_new_tokens=8), request)
+    async with asyncio.timeout(10) as model.clock:
+        call = asyncio.create_task(model.reply())
+        await asked.wait()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert model.transcript.last is None and model.replies == 0
 
 
 def test_the_record_keeps_the_head_and_tail_of_a_long_text():
