@@ -39,7 +39,8 @@ def run_example(folder, marker: str, text: str = README) -> subprocess.Completed
 def test_readme_has_both_commands_and_ci_runs_the_test_one():
     assert "python -m areal_aio run settings.toml" in README
     test_cmd = block_after("<!-- test-command -->").strip()
-    assert "pip install torch==2.13.0" in test_cmd and test_cmd.endswith("python -m pytest -q")
+    assert "pip install torch==2.13.0" in test_cmd  # both tiers, nothing left out:
+    assert test_cmd.endswith('python -m pytest -q -n 2 -m "not slow" && python -m pytest -q -m slow')
     extracted = subprocess.run(
         ["awk", '/<!-- test-command -->/{found=1; next} found && /^```/{if (inblock) exit; inblock=1; next} inblock{print}',
          str(ROOT / "README.md")], capture_output=True, text=True, check=True).stdout.strip()

@@ -14,7 +14,8 @@ every later message to the worker. Any exception becomes an Error frame with
 the traceback, then exit 1. End of stdin (controller gone) ends the worker, at
 its next look at the pipe (the rollout worker: within a chunk; the trainer: after
 its current step); a controller that died without a Shutdown (kill -9) cannot
-remove its /dev/shm folder, so the worker that finds itself orphaned does.
+remove its /dev/shm folder, so the worker that finds itself orphaned does. Once
+serve() returns, the process ends at once (`exit_now`), without unloading torch.
 """
 
 from __future__ import annotations
@@ -143,6 +144,19 @@ def serve(role: str, build: Any) -> int:
     finally:
         if isinstance(init, wire.Init) and channel.closed_without_shutdown:
             remove_orphaned_store(init.shm_dir, parent)
+
+
+def exit_now(code: int) -> None:
+    """End the worker process with `code` once serve() has returned, skipping the interpreter's
+    teardown: torch's and transformers' modules take about 2 s of a core to unload, which every
+    run's stop (and the other worker, on a CPU) would wait for. Everything a worker writes is
+    written and closed before serve() returns; its streams are flushed here."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def remove_orphaned_store(shm_dir: str, parent: int) -> None:

@@ -1,3 +1,4 @@
+from areal_aio.workers.common import exit_now
 from areal_aio.workers.trainer.worker import main
 
-raise SystemExit(main())
+exit_now(main())
