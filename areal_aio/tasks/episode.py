@@ -317,9 +317,9 @@ class Model:
         """Give the episode's time bound back the seconds it had left, unless its block has ended:
         a reply asked through the endpoint runs in the call's task, which the episode's end
         cancels only after the bound's block is gone."""
-        if left is None or self.clock is None or self.clock.expired():
+        if left is None or self.clock is None:
             return
-        with contextlib.suppress(RuntimeError):  # asyncio.Timeout: its block exited, nothing to restart
+        with contextlib.suppress(RuntimeError):  # asyncio.Timeout: expired or its block exited
             self.clock.reschedule(asyncio.get_running_loop().time() + left)
 
     def _turns_to_send(self, added: list[tuple[dict[str, Any], str]]) -> list[dict[str, str]] | None:

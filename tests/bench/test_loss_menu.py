@@ -5,11 +5,11 @@ import os
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import ROOT
 
 
 def menu(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "bench" / "loss_menu.sh"), str(tmp_path / "out"), *args],
+    return subprocess.run(["bash", str(ROOT / "bench" / "loss_menu.sh"), str(tmp_path / "out"), *args],
                           capture_output=True, text=True, env={**os.environ, **env}, timeout=60)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import need
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (pytest -n)
+pytestmark = pytest.mark.slow
 ray = need("ray")
 
 

@@ -27,8 +27,6 @@ from areal_aio.fleet.fakes import FakeRollout
 from areal_aio.settings import build_settings
 from tests.conftest import need
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (pytest -n)
-
 REPLY_TIMEOUT_S = 120.0
 """Generous: a cold worker imports torch and transformers on a busy machine."""
 LONG = 1500

@@ -16,8 +16,6 @@ import pytest
 from areal_aio.app.cli import main
 from tests.conftest import ROOT, alive, need
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray cluster at a time (pytest -n)
-
 ray = need("ray")
 
 SETTINGS = str(ROOT / "settings.toml")

@@ -21,7 +21,7 @@ from areal_aio.settings import build_settings  # noqa: E402
 from areal_aio.store.weights import SHM_BASE  # noqa: E402
 from areal_aio.tasks.task import Task  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (pytest -n)
+pytestmark = pytest.mark.slow
 TASKS = [Task(f"t{i}", f"Write something about topic number {i}.", "") for i in range(100)]
 HELD_OUT = [Task(f"e{i}", f"Write something about topic number {i}.", "") for i in range(100, 104)]
 EXACT = ["model.path=embedded:tiny-random", "run.mode=sync", "rollout.max_new_tokens=12",

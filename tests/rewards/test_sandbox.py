@@ -386,16 +386,11 @@ def test_syscalls_a_test_program_never_needs_are_refused():
 
 # ------------------------------------------------------------------ as an unprivileged uid
 
-AS_NOBODY = pytest.mark.xdist_group("nobody")
-"""The tests that run as NOBODY and count its processes: one at a time (pytest -n)."""
-
-
 def _others_of(uid: int) -> set[int]:
     return {int(p) for p in os.listdir("/proc") if p.isdigit() and sandbox._uid_of(int(p)) == uid}
 
 
 @pytest.mark.slow
-@AS_NOBODY
 def test_as_an_unprivileged_uid_the_program_holds_no_capability_and_cannot_escape():
     before = _others_of(NOBODY)
     token = secrets.token_hex(6)
@@ -418,7 +413,6 @@ print(json.dumps({{"uid": os.getuid(), "mode": lay.mode, "caps": json.loads(caps
 
 
 @pytest.mark.slow
-@AS_NOBODY
 def test_as_an_unprivileged_uid_the_code_reward_cannot_be_forged():
     seen = json_as("""
 import json
@@ -442,7 +436,6 @@ print(json.dumps({k: reward(task, fenced(v), **task.extra).passed for k, v in pr
 
 
 @pytest.mark.slow
-@AS_NOBODY
 def test_a_folder_another_user_left_in_tmp_does_not_stop_the_sandbox():
     for name in ("areal_aio-sandbox-slots", f"areal_aio-sandbox-slots-{NOBODY}"):
         Path(tempfile.gettempdir(), name).mkdir(mode=0o700, exist_ok=True)  # root's, as a root run leaves them
@@ -455,7 +448,6 @@ print(json.dumps(sandbox.run("print(6 * 7)").stdout.decode()))
 
 
 @pytest.mark.slow
-@AS_NOBODY
 def test_in_a_rootless_container_the_sandbox_falls_back_without_a_traceback():
     """Root inside a user namespace whose other uids are not mapped: the per-run uid cannot be
     had, the probe says so in its notes and the nested user namespace is used; no folder is left."""
