@@ -14,7 +14,7 @@
 # their threads from the affinity), and a drift of the machine's load falls on all cells at once.
 # The cells share the memory bandwidth and caches, so their times are slower than a machine of N
 # cores alone would give; they compare with each other, not with a sequential grid's. Each cell's
-# log is OUT/ARM/sSEED.log.
+# log is OUT/ARM/sSEED.log, its grid OUT/ARM/sSEED/.
 #
 # The arms run on the file's defaults, int8 generation on a CPU included (rollout.quantize =
 # auto); bench/results/epyc-2core/loss_menu.json ran in float32, the default then:
@@ -56,10 +56,10 @@ sets() {  # the settings of one arm (the others are the file's)
     esac
 }
 
-cell() {  # one (seed, arm) cell: a time_to_threshold.py grid of one run
+cell() {  # one (seed, arm) cell: a time_to_threshold.py grid of one run, in a folder of its own
     # shellcheck disable=SC2046
     python bench/time_to_threshold.py --modes areal --seeds "$1" --threshold "$THRESHOLD" \
-        --max-wall-s "$MAX_WALL_S" $EXTRA $(sets "$2") --out "$OUT/$2"
+        --max-wall-s "$MAX_WALL_S" $EXTRA $(sets "$2") --out "$OUT/$2/s$1"
 }
 
 core_order() {  # the CPUs this process may use, the threads of one physical core next to each other

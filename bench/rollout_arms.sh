@@ -50,7 +50,7 @@ for seed in $SEEDS; do
     for arm in $ARMS; do
         # shellcheck disable=SC2046
         python bench/time_to_threshold.py --seeds "$seed" --threshold "$THRESHOLD" --report-at 0.7 \
-            --max-wall-s "$MAX_WALL_S" $EXTRA $(args "$arm") --out "$OUT/$arm"
+            --max-wall-s "$MAX_WALL_S" $EXTRA $(args "$arm") --out "$OUT/$arm/s$seed"
     done
 done
 python bench/rollout_arms_report.py "$OUT" --threshold "$THRESHOLD" --seeds "$SEEDS" --arms "$ARMS" \
