@@ -69,6 +69,7 @@ from areal_aio.settings import (
     load_settings,
     whole_machine_threads,
 )
+from areal_aio.store.checkpoint import replace_folder
 from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION, worked_reply
 from areal_aio.tasks.calculator import reference_turns
 from areal_aio.tasks.files import jsonl_rows
@@ -473,15 +474,15 @@ class Tuning:
                 f"tokens, {row['seconds']:.1f}s", folder=self.folder)
 
     async def _save(self, fh: Any, t_start: float) -> None:
-        """model/ written whole or not at all (a temp folder renamed); a step still in flight
-        answers first and is recorded."""
+        """model/ written whole or not at all (a temp folder renamed, as a run's exports are); a
+        step still in flight answers first and is recorded."""
         tmp = self.folder / ".model.tmp"
         await self.trainer.send(wire.Save("model", str(tmp)))
         while isinstance(msg := await self.trainer.recv(), wire.Trained):
             self._step(msg, fh, t_start)
         if not isinstance(msg, wire.Saved):
             raise self.trainer.failure(msg)
-        tmp.rename(self.folder / "model")
+        await asyncio.to_thread(replace_folder, tmp, self.folder / "model")
 
     async def _keep_stopped(self, fh: Any, t_start: float) -> None:
         """A stopped tuning keeps what it learned: the step in flight ends, model/ is written and
