@@ -380,15 +380,27 @@ def lora_target_problem(spec: str, targets: str | list) -> str | None:
     which checks the same (workers/lora.py attach)."""
     if not isinstance(targets, list) or (spec == SMOLLM2 and not is_cached(spec)):
         return None
-    try:
-        done = subprocess.run([sys.executable, "-m", "areal_aio.workers.models", "linears", spec],
-                              capture_output=True, text=True, timeout=LINEAR_PROBE_TIMEOUT_S)
-        paths = json.loads(done.stdout) if done.returncode == 0 else None
-    except (subprocess.TimeoutExpired, ValueError):
-        paths = None
-    if not paths:
-        return None
-    return target_problem(paths, targets, spec)
+    paths = _probed_linears(spec)
+    return None if not paths else target_problem(paths, targets, spec)
+
+
+_PROBED: dict[str, list[str]] = {}
+"""`_probed_linears`' answers by spec, for the life of the process (one probe, seconds, per model)."""
+
+
+def _probed_linears(spec: str) -> list[str] | None:
+    """linear_layers(spec) from a subprocess (None where it could not answer; only answers are kept)."""
+    if spec not in _PROBED:
+        try:
+            done = subprocess.run([sys.executable, "-m", "areal_aio.workers.models", "linears", spec],
+                                  capture_output=True, text=True, timeout=LINEAR_PROBE_TIMEOUT_S)
+            paths = json.loads(done.stdout) if done.returncode == 0 else None
+        except (subprocess.TimeoutExpired, ValueError):
+            paths = None
+        if not paths:
+            return None
+        _PROBED[spec] = paths
+    return _PROBED[spec]
 
 
 def main(argv: list[str] | None = None) -> int:
