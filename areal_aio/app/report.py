@@ -5,7 +5,7 @@
     RUN_DIR/settings.toml, summary.json (only once finished), steps.jsonl, samples.jsonl,
     events.jsonl --read_run--> Run --figures--> {name: Figure} --write_report-->
         OUT/eval.png        held-out pass and strict rates against wall time and against steps
-        OUT/training.png    training reward, entropy and loss per step
+        OUT/training.png    training reward, entropy, loss and groups with reward spread per step
         OUT/staleness.png   staleness of the trained samples (share of each run's samples)
         OUT/timeline.png    each worker's busy / idle intervals (`busy` events)
         OUT/queues.png      queue depths (`queues` events) and version commits over time
@@ -37,7 +37,7 @@ from matplotlib.figure import Figure
 from areal_aio.control.progress import say
 
 TRAINING_PANELS = (("reward_mean", "reward (mean of the batch)"), ("entropy", "entropy (per token)"),
-                   ("loss", "loss"))
+                   ("loss", "loss"), ("spread_frac", "groups with reward spread (share)"))
 QUEUES = ("in_flight", "replay_groups", "pending_groups")
 """Fields of the `queues` event, drawn for each run."""
 WORKERS = ("rollout", "trainer")
@@ -200,7 +200,8 @@ def eval_figure(runs: list[Run]) -> Figure:
 
 
 def training_figure(runs: list[Run]) -> Figure:
-    """Training reward, entropy and loss per step."""
+    """Training reward, entropy, loss and the share of groups with reward spread per step (a run
+    from before steps.jsonl logged `spread_frac` leaves that panel empty)."""
     fig, axes = _figure(1, len(TRAINING_PANELS))
     for ax, (key, title) in zip(axes, TRAINING_PANELS, strict=True):
         for run in runs:
@@ -291,7 +292,7 @@ def figures(runs: list[Run]) -> dict[str, Figure]:
 
 CAPTIONS = {
     "eval": "Held-out pass and strict rates against wall time and against steps",
-    "training": "Training reward, entropy and loss per step",
+    "training": "Training reward, entropy, loss and groups with reward spread per step",
     "staleness": "Staleness of the trained samples",
     "timeline": "Each worker's busy and idle time",
     "queues": "Queue depths and version commits over time",

@@ -52,8 +52,6 @@ if TYPE_CHECKING:
     from areal_aio.control.runlog import RunLog
     from areal_aio.rewards.process import StepCredit
 
-UNIFORM_EPS = 1e-9
-"""Rewards of a group closer than this are equal (dynamic sampling)."""
 FAILING_GROUPS_TO_STOP = 16
 """Groups in a row whose every episode failed that end the run (EpisodesFailing). Their rewards
 are all 0, so they teach nothing: a run of them is a broken episode function, not a hard task.
@@ -358,8 +356,7 @@ class Groups:
         c = self.settings.controller
         if not c.dynamic_sampling:
             return False
-        rewards = [s.score.reward for s in samples]
-        if max(rewards) - min(rewards) > UNIFORM_EPS or self._uniform_in_a_row >= c.max_uniform_in_a_row:
+        if stats.has_spread([s.score.reward for s in samples]) or self._uniform_in_a_row >= c.max_uniform_in_a_row:
             self._uniform_in_a_row = 0
             return False
         self._uniform_in_a_row += 1

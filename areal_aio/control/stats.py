@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,6 +173,32 @@ def sample_row(s: Any, *, staleness: int | None = None, step: int | None = None,
         **({"turns": s.turns} if getattr(s, "turns", None) else {})}
 
 
+UNIFORM_EPS = 1e-9
+"""Rewards closer than this are equal: a group of them has no GRPO advantage (dynamic sampling
+skips it; steps.jsonl counts it out of `spread_frac`)."""
+
+
+def has_spread(rewards: Sequence[float]) -> bool:
+    """Whether a group's rewards differ, so that its group-relative advantages are not all zero."""
+    return max(rewards) - min(rewards) > UNIFORM_EPS
+
+
+def group_fields(outcomes: Iterable[tuple[Hashable, float, bool]]) -> dict[str, Any]:
+    """A batch's groups from its samples' (group id, reward, passed): how many (`groups`), and
+    the shares whose rewards differ (`spread_frac`: the only ones a GRPO step learns from), whose
+    replies all pass (`solved_frac`) and none passes (`unsolved_frac`); None where there are none."""
+    groups: dict[Hashable, list[tuple[float, bool]]] = {}
+    for group, reward, passed in outcomes:
+        groups.setdefault(group, []).append((reward, passed))
+    n = len(groups)
+    if not n:
+        return {"groups": 0, "spread_frac": None, "solved_frac": None, "unsolved_frac": None}
+    members = list(groups.values())
+    return {"groups": n, "spread_frac": sum(has_spread([r for r, _ in g]) for g in members) / n,
+            "solved_frac": sum(all(p for _, p in g) for g in members) / n,
+            "unsolved_frac": sum(not any(p for _, p in g) for g in members) / n}
+
+
 def step_row(step: int, version: int, wall: float, train_s: float, wait_s: float, samples: Sequence[Any],
              stale: list[int], counts: Counts, trained: wire.Trained, **queues: int) -> dict[str, Any]:
     """The steps.jsonl row of a committed step; `queues`: depths at the commit (replay_groups, in_flight)."""
@@ -183,6 +209,7 @@ def step_row(step: int, version: int, wall: float, train_s: float, wait_s: float
             "reward_mean": sum(rewards) / len(rewards), **component_means(scores),
             "pass_rate": sum(sc.passed for sc in scores) / len(samples),
             "strict_rate": sum(sc.strict for sc in scores) / len(samples),
+            **group_fields((s.group_id, sc.reward, sc.passed) for s, sc in zip(samples, scores, strict=True)),
             "staleness_max": max(stale), "staleness_mean": sum(stale) / len(stale),
             **queues,
             "gen_tokens_per_s": (counts.gen_tokens + counts.eval_tokens) / max(wall, 1e-9),

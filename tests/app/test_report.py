@@ -45,7 +45,8 @@ def write_run(folder, mode: str, *, finished: bool, steps: int = STEPS) -> dict:
                 "reward_mean": k / 10, "pass_rate": k / 12, "strict_rate": k / 20, "staleness_max": 2,
                 "staleness_mean": 1.0, "replay_groups": 0, "in_flight": 4, "gen_tokens_per_s": 100.0,
                 "train_tokens_per_s": 50.0, "loss": 1.0 / k, "entropy": 2.0 - k / 10, "clip_frac": 0.0,
-                "grad_norm": 1.0, "tokens": 16, "seqs": 4, "mismatch_kl": None, "seconds": 0.4})
+                "grad_norm": 1.0, "tokens": 16, "seqs": 4, "mismatch_kl": None, "seconds": 0.4,
+                **({"spread_frac": 1 / k} if k > 1 else {})})  # the first row as an older run writes it
             samples += [{"kind": "train", "request_id": f"g{k}.{i}", "group": k, "task_id": f"t{k}",
                          "prompt": "1 + 1?", "answer": "2", "reply": "2", "reward": 1.0, "pass": True,
                          "strict": False, "reward_failed": False, "oldest_version": k - 1 - st,
@@ -128,9 +129,11 @@ def test_eval_figure_overlays_runs_against_wall_time_and_steps(two_runs):
 def test_training_staleness_timeline_and_queue_figures_plot_the_rows(two_runs):
     root, done, _ = two_runs
     figs = figures(read_runs([root / "sync-done", root / "areal-running"]))
-    reward, entropy, loss = figs["training"].axes
-    assert [ax.get_ylabel().split()[0] for ax in (reward, entropy, loss)] == ["reward", "entropy", "loss"]
+    reward, entropy, loss, spread = figs["training"].axes
+    assert [ax.get_ylabel().split()[0] for ax in (reward, entropy, loss, spread)] == [
+        "reward", "entropy", "loss", "groups"]
     assert list(entropy.get_lines()[0].get_ydata()) == [r["entropy"] for r in done["steps"]]
+    assert list(spread.get_lines()[0].get_xdata()) == [r["step"] for r in done["steps"][1:]]
     assert len(reward.get_lines()[1].get_xdata()) == 5  # the unfinished run: 5 whole rows
 
     ax = figs["staleness"].axes[0]

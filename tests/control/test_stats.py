@@ -4,6 +4,8 @@ from areal_aio import wire
 from areal_aio.control.stats import (
     Counts,
     WorkerShare,
+    group_fields,
+    has_spread,
     num,
     sample_row,
     step_row,
@@ -50,6 +52,7 @@ def test_rows_and_summary_read_the_counts():
     assert row["reward_mean"] == 0.5 and row["pass_rate"] == 0.5 and row["staleness_max"] == 1
     assert row["loss"] == 0.5 and row["version"] == 2 and row["in_flight"] == 5
     assert row["train_tokens_per_s"] == 2.0
+    assert (row["groups"], row["spread_frac"], row["solved_frac"], row["unsolved_frac"]) == (1, 1.0, 0.0, 0.0)
     dropped = sample_row(_Sample(0.0, None), dropped="interrupt")
     assert dropped["reply"] is None and dropped["tokens"] == 0 and dropped["dropped"] == "interrupt"
     summary = summarize(s, c, wall=2.0, steps=1, version=2, cold_start={}, max_trained_staleness=1,
@@ -64,3 +67,13 @@ def test_rows_and_summary_read_the_counts():
         {"worker": 1, "device": "cuda:1", "requests": 0, "gen_tokens": 0, "idle_frac": 1.0}]
     assert summary["best_eval"] is None and summary["error"] is None
     assert num(math.inf) is None and num(2.0) == 2
+
+
+def test_a_batch_s_groups_are_counted_by_whether_their_rewards_differ_and_their_replies_pass():
+    outcomes = [("a", 1.2, True), ("a", 0.0, False),  # spread
+                ("b", 1.2, True), ("b", 1.0, True),  # solved, and spread: the format bonus differs
+                ("c", 1.2, True), ("c", 1.2, True),  # solved, no spread
+                ("d", 0.0, False), ("d", 0.0, False), ("d", 0.0, False)]  # unsolved, no spread
+    assert group_fields(outcomes) == {"groups": 4, "spread_frac": 0.5, "solved_frac": 0.5, "unsolved_frac": 0.25}
+    assert group_fields([]) == {"groups": 0, "spread_frac": None, "solved_frac": None, "unsolved_frac": None}
+    assert has_spread([0.5, 0.5 + 1e-6]) and not has_spread([0.5, 0.5 + 1e-12]) and not has_spread([1.0])
