@@ -1,8 +1,9 @@
 """What bench/loss_menu.sh and bench/rollout_arms.sh share: each (arm, seed) cell is a
-time_to_threshold.py grid folder, OUT/ARM/sSEED (OUT/ARM alone in folders written before: one grid
-per arm, its results.json rewritten by every seed); its runs are read into rows (time and first eval step at each pass level), and
-an arm's rows into medians over the seeds that reached each level; and the two figure panels both
-reports draw (held-out pass against wall time, each arm's times to each level)."""
+time_to_threshold.py grid folder, OUT/ARM/sSEED (OUT/ARM alone in folders written before: one
+grid per arm, its results.json rewritten by every seed); its runs are read into rows (time and
+first eval step at each pass level), and an arm's rows into medians over the seeds that reached
+each level; and the two figure panels both reports draw (held-out pass against wall time, each
+arm's times to each level)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ def runs(out: Path, arm: str, levels: list[float], pattern: str = "*-s*") -> Ite
     """(summary.json, steps.jsonl rows, row) of each run of `arm`, seed order; the row holds what
     both scripts report, the caller adds its own columns. A run still going (no summary.json yet)
     is left out."""
-    cells = [*(out / arm / "runs").glob(pattern), *(out / arm).glob(f"s*/runs/{pattern}")]
-    for cell in sorted(cells, key=lambda c: (len(c.name), c.name)):  # seed 10 after seed 9
+    cells = {c.name: c for c in (out / arm / "runs").glob(pattern)}
+    cells |= {c.name: c for c in (out / arm).glob(f"s*/runs/{pattern}")}  # a seed run again: its newer run
+    for cell in sorted(cells.values(), key=lambda c: (len(c.name), c.name)):  # seed 10 after seed 9
         if not (cell / "summary.json").exists():
             continue
         s = json.loads((cell / "summary.json").read_text())

@@ -45,6 +45,7 @@ import orjson
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
+from areal_aio.control.stats import group_fields  # noqa: E402
 from bench.cold_start import QUICK, run_cell  # noqa: E402
 from bench.common import fmt, grid_parser, print_table, read_run, set_args, shown_path, write_json  # noqa: E402
 
@@ -128,17 +129,14 @@ def eval_at(rows: list[dict], step: int) -> dict[str, Any]:
 
 
 def spread(rows: list[dict]) -> dict[str, Any]:
-    """Per group of `rows` (trained samples): whether its rewards differ, and its pass rate."""
-    groups: dict[str, list[dict]] = {}
-    for row in rows:
-        groups.setdefault(row["group"], []).append(row)
-    if not groups:
+    """The groups of `rows` (trained samples) by whether their rewards differ and their replies
+    pass (stats.group_fields), and the rows' pass rate."""
+    if not rows:
         return {"groups": 0}
-    mixed = [g for g in groups.values() if len({r["reward"] for r in g}) > 1]
-    return {"groups": len(groups), "samples": len(rows), "spread_share": round(len(mixed) / len(groups), 4),
+    g = group_fields((r["group"], r["reward"], bool(r["pass"])) for r in rows)
+    return {"groups": g["groups"], "samples": len(rows), "spread_share": round(g["spread_frac"], 4),
             "pass_rate": round(sum(bool(r["pass"]) for r in rows) / len(rows), 4),
-            "all_pass_share": round(sum(all(r["pass"] for r in g) for g in groups.values()) / len(groups), 4),
-            "none_pass_share": round(sum(not any(r["pass"] for r in g) for g in groups.values()) / len(groups), 4)}
+            "all_pass_share": round(g["solved_frac"], 4), "none_pass_share": round(g["unsolved_frac"], 4)}
 
 
 def run_record(folder: Path) -> dict[str, Any]:

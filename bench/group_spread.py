@@ -7,9 +7,11 @@ with the same reward, has a zero advantage in every reply. Per run folder, from 
 (the trained samples; runs from before steps.jsonl logged `spread_frac` too) and steps.jsonl:
 over its first --first steps and its last --last steps, the groups trained, the shares with
 reward spread, all passing (solved) and none passing (unsolved), the mean per-token entropy,
-how many unsolved groups gave one wrong answer in every reply but at most one (collapsed), and
-the unsolved problems of the last steps with their most common answer. Writes --out (default
-RUN/group_spread.json for one run, else bench/out/group_spread.json) with its provenance.
+and how many unsolved groups of three or more replies gave one wrong answer in all but at most
+one of them (collapsed); the unsolved problems of the last steps with their most common answer
+and how many replies gave it; the run's rollout and trainer idle shares (summary.json). Writes
+--out (default RUN/group_spread.json for one run, else bench/out/group_spread.json) with its
+provenance.
 """
 
 from __future__ import annotations
@@ -25,35 +27,42 @@ import orjson
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
+from areal_aio.app.report import read_jsonl  # noqa: E402
 from areal_aio.control.stats import group_fields  # noqa: E402
 from areal_aio.rewards.scoring import final_answer  # noqa: E402
 from bench.common import command_line, fmt, print_table, shown_path, write_json  # noqa: E402
 
 COLLAPSED_SPARE = 1
-"""An unsolved group is collapsed when all its replies but at most this many give one answer."""
+"""An unsolved group is collapsed when all its replies but at most this many give one answer
+(groups of more than COLLAPSED_SPARE + 1 replies; a reply without an answer gives none)."""
 SHOWN_UNSOLVED = 8
 """Unsolved problems of the last steps listed per run (the most often unsolved first)."""
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """A JSONL file's rows as far as they parse (a running run may end in a half-written line)."""
-    rows = []
-    for line in path.read_bytes().splitlines() if path.exists() else []:
-        try:
-            rows.append(orjson.loads(line))
-        except orjson.JSONDecodeError:
-            continue
-    return rows
-
-
-def window(samples: list[dict], steps: list[dict], lo: int, hi: int) -> dict[str, Any]:
-    """The groups trained at steps lo..hi: group_fields, collapsed unsolved groups, mean entropy."""
-    rows = [r for r in samples if lo <= r["step"] <= hi]
+def by_group(rows: list[dict]) -> list[list[dict]]:
+    """Trained samples.jsonl rows gathered by their group, in the order the groups first appear."""
     groups: dict[Any, list[dict]] = defaultdict(list)
     for r in rows:
         groups[r["group"]].append(r)
-    unsolved = [g for g in groups.values() if not any(r["pass"] for r in g)]
-    collapsed = sum(Counter(answer(r) for r in g).most_common(1)[0][1] >= len(g) - COLLAPSED_SPARE
+    return list(groups.values())
+
+
+def answer(row: dict) -> str | None:
+    """The reply's final answer as the built-in reward reads it (None: it gave none)."""
+    return final_answer(row["reply"] or "")[0]
+
+
+def top_answer(group: list[dict]) -> tuple[str | None, int]:
+    """The answer most replies of `group` gave, and how many gave it (answerless replies aside)."""
+    answers = Counter(a for r in group if (a := answer(r)) is not None)
+    return answers.most_common(1)[0] if answers else (None, 0)
+
+
+def window(rows: list[dict], steps: list[dict], lo: int, hi: int) -> dict[str, Any]:
+    """The groups trained at steps lo..hi: group_fields, collapsed unsolved groups, mean entropy."""
+    rows = [r for r in rows if lo <= r["step"] <= hi]
+    unsolved = [g for g in by_group(rows) if not any(r["pass"] for r in g)]
+    collapsed = sum(len(g) > COLLAPSED_SPARE + 1 and top_answer(g)[1] >= len(g) - COLLAPSED_SPARE
                     for g in unsolved)
     entropy = [s["entropy"] for s in steps if lo <= s["step"] <= hi and s.get("entropy") is not None]
     return {"steps": [lo, hi], **group_fields((r["group"], r["reward"], r["pass"]) for r in rows),
@@ -61,33 +70,44 @@ def window(samples: list[dict], steps: list[dict], lo: int, hi: int) -> dict[str
             "entropy_mean": sum(entropy) / len(entropy) if entropy else None}
 
 
-def answer(row: dict) -> str | None:
-    return final_answer(row["reply"] or "")[0]
+def unsolved(rows: list[dict]) -> list[dict[str, Any]]:
+    """The unsolved problems among `rows`' groups, the most often unsolved first: each with its
+    most common wrong answer, the groups it was unsolved in, and the replies that gave it."""
+    misses: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for g in by_group(rows):
+        if not any(r["pass"] for r in g):
+            wrong, n = top_answer(g)
+            tally = misses[(g[0]["prompt"], g[0]["answer"], wrong)]
+            tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + n, tally[2] + len(g)
+    ranked = sorted(misses.items(), key=lambda kv: -kv[1][0])[:SHOWN_UNSOLVED]
+    return [{"prompt": p, "answer": a, "most_common_reply_answer": w, "groups": n, "replies_with_it": k,
+             "replies": m} for (p, a, w), (n, k, m) in ranked]
 
 
 def run_record(folder: Path, first: int, last: int) -> dict[str, Any]:
     """What one run's folder says (module docstring)."""
-    samples = [r for r in read_rows(folder / "samples.jsonl")
-               if r.get("kind") == "train" and r.get("step") is not None and r.get("reward") is not None]
-    steps = read_rows(folder / "steps.jsonl")
-    end = max((r["step"] for r in samples), default=0)
-    late = [r for r in samples if r["step"] > end - last]
-    by_group: dict[Any, list[dict]] = defaultdict(list)
-    for r in late:
-        by_group[r["group"]].append(r)
-    misses: Counter = Counter()
-    for g in by_group.values():
-        if not any(r["pass"] for r in g):
-            wrong = Counter(answer(r) for r in g).most_common(1)[0][0]
-            misses[(g[0]["prompt"], g[0]["answer"], wrong)] += 1
+    rows = [r for r in read_jsonl(folder / "samples.jsonl")[0]
+            if r.get("kind") == "train" and r.get("step") is not None and r.get("reward") is not None]
+    steps = read_jsonl(folder / "steps.jsonl")[0]
+    summary = read_summary(folder)
+    end = max((r["step"] for r in rows), default=0)
+    lo = max(end - last + 1, 1)
     return {"run": shown_path(folder), "steps": end,
-            "first": window(samples, steps, 1, min(first, end)),
-            "last": window(samples, steps, max(end - last + 1, 1), end),
-            "unsolved_last": [{"prompt": p, "answer": a, "most_common_reply_answer": w, "groups": n}
-                              for (p, a, w), n in misses.most_common(SHOWN_UNSOLVED)]}
+            "rollout_idle_frac": summary.get("rollout_idle_frac"), "trainer_idle_frac": summary.get("trainer_idle_frac"),
+            "first": window(rows, steps, 1, min(first, end)), "last": window(rows, steps, lo, end),
+            "unsolved_last": unsolved([r for r in rows if r["step"] >= lo])}
+
+
+def read_summary(folder: Path) -> dict[str, Any]:
+    """The run's summary.json ({} while it runs)."""
+    try:
+        return orjson.loads((folder / "summary.json").read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return {}
 
 
 def print_records(records: list[dict]) -> None:
+    """The table: per run, its first and its last window."""
     rows = []
     for rec in records:
         for name in ("first", "last"):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The loss and sampling options against the default, areal mode: time and steps to 0.70 and to
-# THRESHOLD held-out pass, each arm one time_to_threshold.py grid (it resumes: finished cells are
-# reused). Arms go one after another, seed by seed, so a drift of the machine's load falls on all.
+# THRESHOLD held-out pass, each (arm, seed) cell its own time_to_threshold.py grid, OUT/ARM/sSEED
+# (it resumes: a finished cell is reused; one in a folder of the older layout, OUT/ARM, is run
+# again). Arms go one after another, seed by seed, so a drift of the machine's load falls on all.
 #
 #     bash bench/loss_menu.sh [OUT] [SEEDS] [ARMS]     # default bench/out/loss-menu, seeds "0 1 2", every arm
 #     MAX_WALL_S=600 THRESHOLD=0.80 bash bench/loss_menu.sh OUT "0" "default dynamic gspo"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The rollout-side arms on the default run (int8 generation against float32, the KV kept over a
 # weight update against rebuilt, areal against an honest sync): time and steps to 0.70 and to
-# THRESHOLD held-out pass, each arm a time_to_threshold.py grid (finished cells are reused). Arms go
+# THRESHOLD held-out pass, each (arm, seed) cell its own time_to_threshold.py grid, OUT/ARM/sSEED
+# (a finished cell is reused; one in a folder of the older layout, OUT/ARM, is run again). Arms go
 # one after another, seed by seed, so a drift of the machine's load falls on all.
 #
 #     bash bench/rollout_arms.sh [OUT] [SEEDS] [ARMS]   # default bench/out/rollout-arms, "0 1 2", "sync areal int8"

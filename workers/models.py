@@ -47,6 +47,8 @@ BASE_FILE = "areal_aio_base.json"
 made from it) and its sha256 (workers/lora.py base_identity): what rebuilds base + adapter."""
 LINEAR_PROBE_TIMEOUT_S = 120.0
 """`lora_target_problem`'s subprocess imports torch and transformers: seconds, more on a busy machine."""
+_PROBED: dict[str, list[str]] = {}
+"""`_probed_linears`' answers by `_probe_key`, for the life of the process (one probe per model)."""
 TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                    tie_word_embeddings=True, rms_norm_eps=1e-5)
@@ -384,13 +386,19 @@ def lora_target_problem(spec: str, targets: str | list) -> str | None:
     return None if not paths else target_problem(paths, targets, spec)
 
 
-_PROBED: dict[str, list[str]] = {}
-"""`_probed_linears`' answers by spec, for the life of the process (one probe, seconds, per model)."""
+def _probe_key(spec: str) -> str:
+    """What names `spec`'s architecture: an embedded or hub model's name; a local folder's
+    resolved path and when its config.json last changed (a folder rewritten in place is probed again)."""
+    if not os.path.isdir(spec):
+        return spec
+    config = Path(spec) / "config.json"
+    return f"{Path(spec).resolve()}@{config.stat().st_mtime_ns if config.exists() else 0}"
 
 
 def _probed_linears(spec: str) -> list[str] | None:
     """linear_layers(spec) from a subprocess (None where it could not answer; only answers are kept)."""
-    if spec not in _PROBED:
+    key = _probe_key(spec)
+    if key not in _PROBED:
         try:
             done = subprocess.run([sys.executable, "-m", "areal_aio.workers.models", "linears", spec],
                                   capture_output=True, text=True, timeout=LINEAR_PROBE_TIMEOUT_S)
@@ -399,8 +407,8 @@ def _probed_linears(spec: str) -> list[str] | None:
             paths = None
         if not paths:
             return None
-        _PROBED[spec] = paths
-    return _PROBED[spec]
+        _PROBED[key] = paths
+    return _PROBED[key]
 
 
 def main(argv: list[str] | None = None) -> int:

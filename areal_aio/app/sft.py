@@ -482,7 +482,7 @@ class Tuning:
             self._step(msg, fh, t_start)
         if not isinstance(msg, wire.Saved):
             raise self.trainer.failure(msg)
-        await asyncio.to_thread(replace_folder, tmp, self.folder / "model")
+        replace_folder(tmp, self.folder / "model")  # in the loop: a stop's timeout cannot cut it in two
 
     async def _keep_stopped(self, fh: Any, t_start: float) -> None:
         """A stopped tuning keeps what it learned: the step in flight ends, model/ is written and

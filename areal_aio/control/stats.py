@@ -209,7 +209,7 @@ def step_row(step: int, version: int, wall: float, train_s: float, wait_s: float
             "reward_mean": sum(rewards) / len(rewards), **component_means(scores),
             "pass_rate": sum(sc.passed for sc in scores) / len(samples),
             "strict_rate": sum(sc.strict for sc in scores) / len(samples),
-            **group_fields((s.group_id, sc.reward, sc.passed) for s, sc in zip(samples, scores, strict=True)),
+            **group_fields((s.group_id, s.score.reward, s.score.passed) for s in samples),
             "staleness_max": max(stale), "staleness_mean": sum(stale) / len(stale),
             **queues,
             "gen_tokens_per_s": (counts.gen_tokens + counts.eval_tokens) / max(wall, 1e-9),
