@@ -135,7 +135,7 @@ async def run_grid(cells: Sequence[Cell], out_dir: Path, *, settings_path: str |
                 status = "ran"
             except Exception as exc:  # noqa: BLE001 - a failed cell is recorded, the grid goes on
                 status = "failed"
-                summary = _read_summary(folder) or {}
+                summary = read_summary(folder) or {}
                 summary["error"] = summary.get("error") or f"{type(exc).__name__}: {exc}"
                 log(f"[{i}/{len(cells)}] {cell.name}: FAILED: {summary['error'][:500]}")
         else:
@@ -160,7 +160,8 @@ def grid_parser(doc: str | None, out_name: str) -> argparse.ArgumentParser:
     return ap
 
 
-def _read_summary(folder: Path) -> dict | None:
+def read_summary(folder: Path) -> dict | None:
+    """A run folder's summary.json (None while it runs, or where it cannot be read)."""
     try:
         return orjson.loads((folder / "summary.json").read_bytes())
     except (OSError, orjson.JSONDecodeError):
@@ -245,13 +246,17 @@ class RunFiles:
     sft: dict
 
 
+def trained(rows: list[dict]) -> list[dict]:
+    """The samples.jsonl rows of samples a step trained (not dropped, not evals)."""
+    return [r for r in rows if r.get("kind") == "train" and r.get("dropped") is None and r.get("step")]
+
+
 def read_run(folder: Path) -> RunFiles:
     summary = orjson.loads((folder / "summary.json").read_bytes())
     samples = folder / "samples.jsonl"
     rows = [orjson.loads(line) for line in samples.read_bytes().splitlines()] if samples.exists() else []
     sft_file = folder / "sft" / "sft.json"
-    return RunFiles(summary=summary, curve=eval_curve(summary),
-                    trained=[r for r in rows if r.get("kind") == "train" and r.get("dropped") is None and r.get("step")],
+    return RunFiles(summary=summary, curve=eval_curve(summary), trained=trained(rows),
                     evals=[r for r in rows if r.get("kind") == "eval"],
                     sft=orjson.loads(sft_file.read_bytes()) if sft_file.exists() else {})
 

@@ -22,15 +22,21 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
 from areal_aio.app.report import read_jsonl  # noqa: E402
 from areal_aio.control.stats import group_fields  # noqa: E402
 from areal_aio.rewards.scoring import final_answer  # noqa: E402
-from bench.common import command_line, fmt, print_table, shown_path, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    command_line,
+    fmt,
+    print_table,
+    read_summary,
+    shown_path,
+    trained,
+    write_json,
+)
 
 COLLAPSED_SPARE = 1
 """An unsolved group is collapsed when all its replies but at most this many give one answer
@@ -58,8 +64,9 @@ def top_answer(group: list[dict]) -> tuple[str | None, int]:
     return answers.most_common(1)[0] if answers else (None, 0)
 
 
-def window(rows: list[dict], steps: list[dict], lo: int, hi: int) -> dict[str, Any]:
-    """The groups trained at steps lo..hi: group_fields, collapsed unsolved groups, mean entropy."""
+def window(rows: list[dict], steps: list[dict], lo: int, hi: int) -> tuple[dict[str, Any], list[list[dict]]]:
+    """The groups trained at steps lo..hi: group_fields, collapsed unsolved groups, mean entropy;
+    and the unsolved groups themselves."""
     rows = [r for r in rows if lo <= r["step"] <= hi]
     unsolved = [g for g in by_group(rows) if not any(r["pass"] for r in g)]
     collapsed = sum(len(g) > COLLAPSED_SPARE + 1 and top_answer(g)[1] >= len(g) - COLLAPSED_SPARE
@@ -67,43 +74,32 @@ def window(rows: list[dict], steps: list[dict], lo: int, hi: int) -> dict[str, A
     entropy = [s["entropy"] for s in steps if lo <= s["step"] <= hi and s.get("entropy") is not None]
     return {"steps": [lo, hi], **group_fields((r["group"], r["reward"], r["pass"]) for r in rows),
             "unsolved_collapsed": collapsed,
-            "entropy_mean": sum(entropy) / len(entropy) if entropy else None}
+            "entropy_mean": sum(entropy) / len(entropy) if entropy else None}, unsolved
 
 
-def unsolved(rows: list[dict]) -> list[dict[str, Any]]:
-    """The unsolved problems among `rows`' groups, the most often unsolved first: each with its
-    most common wrong answer, the groups it was unsolved in, and the replies that gave it."""
-    misses: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])
-    for g in by_group(rows):
-        if not any(r["pass"] for r in g):
-            wrong, n = top_answer(g)
-            tally = misses[(g[0]["prompt"], g[0]["answer"], wrong)]
-            tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + n, tally[2] + len(g)
-    ranked = sorted(misses.items(), key=lambda kv: -kv[1][0])[:SHOWN_UNSOLVED]
-    return [{"prompt": p, "answer": a, "most_common_reply_answer": w, "groups": n, "replies_with_it": k,
-             "replies": m} for (p, a, w), (n, k, m) in ranked]
+def misses(unsolved: list[list[dict]]) -> list[dict[str, Any]]:
+    """The problems of the `unsolved` groups, the most often unsolved first: each with its most
+    common wrong answer, the groups it was unsolved in, and the replies that gave that answer."""
+    tally: dict[tuple, dict[str, int]] = defaultdict(lambda: {"groups": 0, "replies_with_it": 0, "replies": 0})
+    for g in unsolved:
+        wrong, n = top_answer(g)
+        t = tally[(g[0]["prompt"], g[0]["answer"], wrong)]
+        t["groups"], t["replies_with_it"], t["replies"] = t["groups"] + 1, t["replies_with_it"] + n, t["replies"] + len(g)
+    ranked = sorted(tally.items(), key=lambda kv: -kv[1]["groups"])[:SHOWN_UNSOLVED]
+    return [{"prompt": p, "answer": a, "most_common_reply_answer": w, **t} for (p, a, w), t in ranked]
 
 
 def run_record(folder: Path, first: int, last: int) -> dict[str, Any]:
-    """What one run's folder says (module docstring)."""
-    rows = [r for r in read_jsonl(folder / "samples.jsonl")[0]
-            if r.get("kind") == "train" and r.get("step") is not None and r.get("reward") is not None]
+    """What one run's folder says (module docstring); a run still going is read as far as written."""
+    rows = trained(read_jsonl(folder / "samples.jsonl")[0])
     steps = read_jsonl(folder / "steps.jsonl")[0]
-    summary = read_summary(folder)
+    summary = read_summary(folder) or {}
     end = max((r["step"] for r in rows), default=0)
-    lo = max(end - last + 1, 1)
+    early, _ = window(rows, steps, 1, min(first, end))
+    late, unsolved = window(rows, steps, max(end - last + 1, 1), end)
     return {"run": shown_path(folder), "steps": end,
             "rollout_idle_frac": summary.get("rollout_idle_frac"), "trainer_idle_frac": summary.get("trainer_idle_frac"),
-            "first": window(rows, steps, 1, min(first, end)), "last": window(rows, steps, lo, end),
-            "unsolved_last": unsolved([r for r in rows if r["step"] >= lo])}
-
-
-def read_summary(folder: Path) -> dict[str, Any]:
-    """The run's summary.json ({} while it runs)."""
-    try:
-        return orjson.loads((folder / "summary.json").read_bytes())
-    except (OSError, orjson.JSONDecodeError):
-        return {}
+            "first": early, "last": late, "unsolved_last": misses(unsolved)}
 
 
 def print_records(records: list[dict]) -> None:
