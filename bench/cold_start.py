@@ -6,7 +6,8 @@
 
 Each cell is one `python -m areal_aio run` process (the command itself, so the cold start runs
 exactly as a user's does), the cells strictly one after another: arm `cold` with
-`sft.before_run=on`, arm `plain` with `sft.before_run=off`; the seed is run.seed, the threshold
+`sft.before_run=on` (the task's reference replies), arm `sampled` the same on the model's own
+passing replies (`sft.data=sampled`), arm `plain` with `sft.before_run=off`; the seed is run.seed, the threshold
 run.threshold (the run stops at the first eval at or above it), --max-wall-s run.max_wall_s.
 
 Per cell: the cold start's wall time (sft/sft.json `wall_s`: the trainer worker's start, the
@@ -48,13 +49,14 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 
-ARMS = {"cold": "sft.before_run=on", "plain": "sft.before_run=off"}
+ARMS = {"cold": ("sft.before_run=on",), "sampled": ("sft.before_run=on", "sft.data=sampled"),
+        "plain": ("sft.before_run=off",)}
 QUICK = (*TINY_BATCH, "run.max_steps=4", "sft.steps=2", "sft.batch_size=4", "trainer.bf16=off")
 
 
 def cell_command(arm: str, seed: int, args: argparse.Namespace, folder: Path) -> list[str]:
     """The cell's `python` arguments, run in the repository (paths in it relative to it)."""
-    sets = [ARMS[arm], f"run.seed={seed}", f"run.threshold={args.threshold}", "run.max_steps=1000",
+    sets = [*ARMS[arm], f"run.seed={seed}", f"run.threshold={args.threshold}", "run.max_steps=1000",
             *([f"run.max_wall_s={args.max_wall_s}"] if args.max_wall_s else []),
             *(QUICK if args.quick else ()), *args.overrides]
     return ["-m", "areal_aio", "run", str(shown_path(args.settings)), "--out", str(shown_path(folder)),
@@ -93,7 +95,20 @@ def cell_record(folder: Path, thresholds: list[float]) -> dict[str, Any]:
             "last_eval": {k: last.get(k) for k in ("step", "wall_s", "pass_rate", "strict_rate")},
             "best_pass": max((r["pass_rate"] for r in curve), default=None),
             "reached": reached, "error": run.summary.get("error"),
-            "eval_curve": [{k: r[k] for k in ("step", "wall_s", "pass_rate", "strict_rate")} for r in curve]}
+            "sampling": sft.get("sampling"),
+            "eval_curve": [{k: r[k] for k in ("step", "wall_s", "pass_rate", "strict_rate")} for r in curve],
+            "step_curve": step_curve(folder)}
+
+
+STEP_FIELDS = ("step", "spread_frac", "solved_frac", "unsolved_frac", "entropy", "reward_mean")
+
+
+def step_curve(folder: Path) -> list[dict[str, Any]]:
+    """Per RL step, what says whether the run can still learn: the share of groups with reward
+    spread (and all passing, none passing), the policy's entropy per token, the mean reward."""
+    path = folder / "steps.jsonl"
+    rows = [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+    return [{k: r.get(k) for k in STEP_FIELDS} for r in rows]
 
 
 def print_results(records: list[dict], thresholds: list[float]) -> None:

@@ -2,8 +2,10 @@
 
     pairs (sft.data)          generated: the task's reference replies (chain: worked, step-tagged
       |                       solutions; arithmetic: the sum, then the tagged answer; calculator: the
-      |                       call, then the tagged value after the tool turn) | a JSONL file of pairs;
-      |                       pairs whose prompt is held out are left out
+      |                       call, then the tagged value after the tool turn) | sampled: the model's
+      |                       own passing replies, the tagged answer added where they left it out (a
+      |                       rollout worker samples them first: sampled_pairs) | a JSONL file of
+      |                       pairs; pairs whose prompt is held out are left out
       |  tokenize: prompt ids through the chat template exactly as the rollout worker builds
       |  them (after an episode's earlier turns: as the episode's context holds them), completion
       |  ids = the assistant's reply up to the token that ends its turn
@@ -50,16 +52,19 @@ from areal_aio import wire
 from areal_aio.app.preflight import PreflightError, preflight, read_checked
 from areal_aio.control.episodes import episode_spec, load_episode
 from areal_aio.control.evaluation import (
+    answers,
     greedy_completions,
     greedy_episodes,
     rates,
+    rollout_session,
     sample_rows,
     score,
 )
 from areal_aio.control.keeping import STOP_SAVE_TIMEOUT_S
 from areal_aio.control.progress import say
 from areal_aio.control.sources import eval_tasks, training_tasks
-from areal_aio.rewards.scoring import Scorer, load_rewards
+from areal_aio.rewards.scoring import AnswerReward, Score, Scorer, load_rewards
+from areal_aio.seeds import derive
 from areal_aio.settings import (
     CODE_TASKS,
     SFT,
@@ -81,6 +86,13 @@ FOLDER_FILES = ("settings.toml", "sft.json", "steps.jsonl", "samples.jsonl", "mo
 EPISODE_ROLES = ("assistant", "tool", "user")
 """The roles of a chat row's turns after its user prompt: replies, and the turns an episode
 adds between them (Model.add_turn)."""
+SAMPLED = "sampled"
+"""sft.data: the model's own passing replies (sampled_pairs)."""
+SAMPLE_SALT = 0x5F7
+"""Keeps the seeds of sampled cold-start replies apart from a run's rollout seeds (seeds.derive)."""
+MOST_PROMPTS_PER_PAIR = 20
+"""sft.data = sampled gives up (a ValueError) once it has sampled this many prompts per pair it
+needs without finding them: a model that passes under 5% of its prompts has little to keep."""
 MISMATCHES_IN_A_ROW = 1000
 """Calculator tasks in a row without reference turns (their calculated value is not their
 answer) before the generated pairs stop with an error instead of searching on forever."""
@@ -176,6 +188,82 @@ def generated_pairs(settings: Settings) -> Iterator[Pair]:
                          f"a JSONL file of {{prompt, completion}} rows")
 
 
+def tag_answers(settings: Settings) -> bool:
+    """Whether the task's check is the built-in answer reward, whose strict pass is the tagged
+    answer: a passing sampled reply then gets the tag it left out (sampled_pairs)."""
+    rewards = load_rewards(settings.task)
+    return all(type(r.fn) is AnswerReward for r in (rewards if isinstance(rewards, list) else [rewards]))
+
+
+def kept_reply(task: Task, reply: wire.Completion, score: Score, tag: bool) -> str | None:
+    """What a sampled reply teaches: a finished, passing reply as it was written, with the tagged
+    answer after it where `tag` and it left the tag out; None for a reply not kept."""
+    if not score.passed or reply.finish == "length":
+        return None
+    if tag and not score.strict:
+        return f"{reply.text.rstrip()}\n<answer>{task.answer}</answer>"
+    return reply.text
+
+
+async def sampled_pairs(settings: Settings, held_out: set[str], need: int,
+                        folder: Path) -> tuple[list[Pair], dict[str, Any]]:
+    """`need` pairs of the model's own replies (sft.data = sampled): training prompts in stream
+    order, held-out ones left out, each answered once at sft.temperature (seed: run.seed and
+    its place in the stream) by a rollout worker on every core (nothing runs beside it); a
+    passing reply is kept (kept_reply), in stream order. Sampled once and kept where it passes,
+    a prompt joins in proportion to the model's own chance of passing it, so tuning on the kept
+    replies moves the model toward passing ones (rejection sampling, as in STaR and RFT) and
+    leaves its way of answering, and so its answers, as they were. Returns the pairs and what
+    the sampling measured (sft.json's "sampling")."""
+    cfg, t0 = settings.sft, time.perf_counter()
+    rollout = settings.rollout
+    if (share := whole_machine_threads(settings.rollout_devices)) is not None:
+        rollout = dataclasses.replace(rollout, threads=max(rollout.threads, share))
+    sampling = dataclasses.replace(settings, rollout=rollout)
+    stream = (t for t in training_tasks(settings, in_loop=False) if t.text not in held_out)
+    tag = tag_answers(settings)
+    scorer = Scorer(load_rewards(settings.task), timeout_s=settings.controller.reward_timeout_s, procs=0)
+    pairs: list[Pair] = []
+    drawn = passed = tagged = cut = 0
+    try:
+        async with rollout_session(sampling, folder / "sample-rollout.log") as worker:
+            while len(pairs) < need:
+                if drawn >= MOST_PROMPTS_PER_PAIR * need:
+                    raise ValueError(f"sft.data = sampled: {passed} of the model's replies to {drawn} training "
+                                     f"prompts passed, {need} are needed; tune on sft.data = generated or a "
+                                     f"file of pairs instead")
+                left = need - len(pairs)  # the next round: enough prompts at the pass rate so far
+                tasks = list(itertools.islice(stream, max(left, round(left * drawn / max(passed, 1)))))
+                msgs = [wire.Generate(f"sft{drawn + i}", t.text,
+                                      rollout.max_new_tokens, cfg.temperature, 1.0,
+                                      seed=derive(settings.run.seed, SAMPLE_SALT, drawn + i), messages=t.messages)
+                        for i, t in enumerate(tasks)]
+                replies = await answers(worker, msgs)
+                scores = await score(scorer, tasks, replies)
+                drawn += len(tasks)
+                for task, reply, got in zip(tasks, replies, scores, strict=True):
+                    passed += got.passed
+                    cut += reply.finish == "length"
+                    if (text := kept_reply(task, reply, got, tag)) is not None and len(pairs) < need:
+                        tagged += text != reply.text
+                        pairs.append(Pair(task.text, text, _system(task)))
+    finally:
+        await scorer.aclose()
+    return pairs, {"prompts": drawn, "passed": passed, "pass_rate": round(passed / max(drawn, 1), 4),
+                   "cut_at_max_new_tokens": cut, "kept": len(pairs), "tags_added": tagged,
+                   "temperature": cfg.temperature, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _system(task: Task) -> str | None:
+    """A chat task's system message (its turns before the user's: a system message at most);
+    None for a plain prompt."""
+    turns = task.messages or []
+    if len(turns) > 2 or (len(turns) == 2 and turns[0].get("role") != "system"):
+        raise ValueError(f"sft.data = sampled: task {task.id} is a chat of {len(turns)} turns; a pair holds a "
+                         f"system message and one user prompt")
+    return turns[0]["content"] if len(turns) == 2 else None
+
+
 def sft_eval_set(settings: Settings) -> list[Task]:
     """The first sft.eval_size prompts of the task's held-out set."""
     if settings.sft.eval_size == 0:
@@ -185,7 +273,8 @@ def sft_eval_set(settings: Settings) -> list[Task]:
 
 
 def batches(settings: Settings, held_out: set[str]) -> list[list[Pair]]:
-    """sft.steps batches of sft.batch_size pairs, none with a held-out prompt. Generated pairs
+    """sft.steps batches of sft.batch_size pairs (generated or from a file; sampled ones come from
+    sampled_pairs), none with a held-out prompt. Generated pairs
     come in stream order; a file's pairs are shuffled (run.seed) and cycled, reshuffled each pass."""
     cfg = settings.sft
     if cfg.data == "generated":
@@ -332,7 +421,11 @@ def check(settings: Settings, folder: Path, out: str | None) -> None:
 def check_data(settings: Settings) -> None:
     """sft.data can be had: generated replies for this task, or a readable file of pairs."""
     data = settings.sft.data
-    if data == "generated":
+    if data == SAMPLED:
+        if episode_spec(settings):
+            raise PreflightError(f"sft.data = sampled: task {settings.task.name!r} plays episodes; sampled "
+                                 "replies are one reply to one prompt (use generated or a file of chat rows)")
+    elif data == "generated":
         if settings.task.name not in (*SFT_GENERATED, *CODE_TASKS):
             raise PreflightError(f"sft.data = generated: task {settings.task.name!r} has no reference "
                                  "replies; give sft.data a JSONL file of {prompt, completion} rows")
@@ -372,8 +465,13 @@ async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:
     (folder / "settings.toml").write_text(settings.to_toml())
     eval_set = sft_eval_set(settings)
     held_out = {t.prompt for t in eval_tasks(settings)} | {t.prompt for t in eval_set}
-    plan = batches(settings, held_out)
     await ensure_model(settings.model.path)
+    sampling: dict[str, Any] = {}
+    if cfg.data == SAMPLED:
+        pairs, sampling = await sampled_pairs(settings, held_out, cfg.steps * cfg.batch_size, folder)
+        plan = [pairs[i:i + cfg.batch_size] for i in range(0, len(pairs), cfg.batch_size)]
+    else:
+        plan = batches(settings, held_out)
     tokenized = await asyncio.to_thread(_tokenize_all, settings, plan)
     longest = max(len(c) for batch in tokenized for _, c in batch)
     too_long = sum(len(c) > settings.rollout.max_new_tokens for batch in tokenized for _, c in batch)
@@ -406,6 +504,7 @@ async def fine_tune(settings: Settings, folder: Path) -> dict[str, Any]:
         **tuning.record(), "ended": "completed",
         "pairs": sum(map(len, plan)), "distinct_prompts": len({p.prompt for b in plan for p in b}),
         "completion_tokens_max": longest, "completions_over_max_new_tokens": too_long,
+        **({"sampling": sampling} if sampling else {}),
         "train_s": round(training.result(), 3), "wall_s": round(time.perf_counter() - t0, 3),
         "eval_size": len(eval_set), "max_new_tokens": settings.rollout.max_new_tokens,
         **before, **after,

@@ -32,11 +32,12 @@ start, within the same bound (its row says which versions answered).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -451,49 +452,62 @@ def eval_rollout(settings: Settings, log: Path) -> WorkerClient:
     return RolloutPool([PipeWorker("rollout", path, threads) for path in logs], devices)
 
 
-async def greedy_completions(settings: Settings, tasks: list[Task], log: Path,
-                             rollout: WorkerClient | None = None) -> list[wire.Completion]:
-    """settings.model.path's greedy replies to `tasks` (the eval requests), from a rollout
-    client of its own (default: eval_rollout's, logging to `log`), in the order of `tasks`."""
+@contextlib.asynccontextmanager
+async def rollout_session(settings: Settings, log: Path,
+                          rollout: WorkerClient | None = None) -> AsyncIterator[WorkerClient]:
+    """A rollout client (default: eval_rollout's, logging to `log`) started on
+    settings.model.path for the block, stopped after it whatever it raised."""
     worker = rollout or eval_rollout(settings, log)
     try:
         await worker.prepare(settings.model.path)
         await worker.start(wire.Init("rollout", settings.to_dict(), ""))
-        for msg in requests(tasks, 0, settings):  # one by one: a pool spreads them over its workers
-            await worker.send(msg)
-        answers: dict[str, wire.Completion] = {}
-        while len(answers) < len(tasks):
-            msg = await worker.recv()
-            if not isinstance(msg, wire.Completion):
-                raise worker.failure(msg)
-            answers[msg.request_id] = msg
+        yield worker
     finally:
         await worker.stop()
-    return [answers[f"eval0.{i}"] for i in range(len(tasks))]
+
+
+async def answers(worker: WorkerClient, msgs: list[wire.Generate]) -> list[wire.Completion]:
+    """The Completions of `msgs` from a started rollout client, in the order of `msgs` (sent one
+    by one: a pool spreads them over its workers); a worker's failure is raised."""
+    for msg in msgs:
+        await worker.send(msg)
+    got: dict[str, wire.Completion] = {}
+    while len(got) < len(msgs):
+        msg = await worker.recv()
+        if not isinstance(msg, wire.Completion):
+            raise worker.failure(msg)
+        got[msg.request_id] = msg
+    return [got[msg.request_id] for msg in msgs]
+
+
+async def greedy_completions(settings: Settings, tasks: list[Task], log: Path,
+                             rollout: WorkerClient | None = None) -> list[wire.Completion]:
+    """settings.model.path's greedy replies to `tasks` (the eval requests), from a rollout
+    client of its own (rollout_session), in the order of `tasks`."""
+    async with rollout_session(settings, log, rollout) as worker:
+        return await answers(worker, requests(tasks, 0, settings))
 
 
 async def greedy_episodes(settings: Settings, tasks: list[Task], log: Path, episode: episodes.Episode,
                           scorer: Scorer, rollout: WorkerClient | None = None) -> EpisodeEval:
     """settings.model.path's greedy episodes on `tasks` (run_episodes), from a rollout client of
-    its own (default: eval_rollout's, logging to `log`)."""
-    worker = rollout or eval_rollout(settings, log)
+    its own (rollout_session)."""
     evals = Evals()
 
-    async def ask(msg: wire.Generate) -> wire.Completion:
-        answer = evals.expect(msg.request_id)
-        await worker.send(msg)
-        return await answer
+    async with rollout_session(settings, log, rollout) as worker:
 
-    async def read() -> None:
-        while True:
-            msg = await worker.recv()
-            if not isinstance(msg, wire.Completion):
-                raise worker.failure(msg)
-            evals.deliver(msg)
+        async def ask(msg: wire.Generate) -> wire.Completion:
+            answer = evals.expect(msg.request_id)
+            await worker.send(msg)
+            return await answer
 
-    try:
-        await worker.prepare(settings.model.path)
-        await worker.start(wire.Init("rollout", settings.to_dict(), ""))
+        async def read() -> None:
+            while True:
+                msg = await worker.recv()
+                if not isinstance(msg, wire.Completion):
+                    raise worker.failure(msg)
+                evals.deliver(msg)
+
         reader = asyncio.ensure_future(read())
         run = asyncio.ensure_future(run_episodes(episode, tasks, 0, settings, scorer, ask))
         try:
@@ -505,8 +519,6 @@ async def greedy_episodes(settings: Settings, tasks: list[Task], log: Path, epis
             for task in (reader, run):
                 task.cancel()
             await asyncio.gather(reader, run, return_exceptions=True)
-    finally:
-        await worker.stop()
 
 
 async def evaluate_model(settings: Settings, out_file: Path) -> dict[str, Any]:

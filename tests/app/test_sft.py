@@ -423,3 +423,65 @@ def test_sigterm_during_the_cold_start_stops_cleanly(tmp_path):
     assert f"sft stopped at step {done} of 500: the model so far is in {out / 'sft' / 'model'}" in err
     assert (out / "sft" / "model" / "config.json").exists() and (out / "sft" / "model" / "model.safetensors").exists()
     assert not (out / "sft" / ".model.tmp").exists()
+
+
+def _reply(text: str, finish: str = "stop") -> wire.Completion:
+    return wire.Completion("r", [1], [2], [0.0], [0], text, finish, 0, 0.1)
+
+
+def test_kept_reply_adds_the_tag_to_a_passing_untagged_reply_only():
+    from areal_aio.app.sft import kept_reply
+
+    task = Task("t", "Calculate 5 - 9.", "-4")
+    check = AnswerReward()
+    plain, tagged, wrong = "5 - 9 = -4", "5 - 9 = -4\n<answer>-4</answer>", "5 - 9 = 4"
+    assert kept_reply(task, _reply(plain), check(task, plain), tag=True) == tagged
+    assert kept_reply(task, _reply(tagged), check(task, tagged), tag=True) == tagged  # strict: as it was
+    assert kept_reply(task, _reply(plain), check(task, plain), tag=False) == plain  # another check: as written
+    assert kept_reply(task, _reply(wrong), check(task, wrong), tag=True) is None
+    assert kept_reply(task, _reply(plain, "length"), check(task, plain), tag=True) is None  # cut: never ended
+
+
+def _sampling(monkeypatch, policy):
+    from areal_aio.fleet.fakes import FakeRollout
+
+    rollout = FakeRollout(policy=policy)
+    monkeypatch.setattr("areal_aio.control.evaluation.eval_rollout", lambda settings, log: rollout)
+    return rollout
+
+
+async def test_sampled_pairs_keep_the_models_passing_replies_in_stream_order(tmp_path, monkeypatch):
+    """The model answers sums right and subtractions wrong: only the sums are kept, each with
+    its tag added, in the order of the training stream, held-out prompts left out."""
+    from areal_aio.app.sft import sampled_pairs
+
+    def policy(prompt: str, version: int) -> str:
+        a, op, b = re.search(r"(\d+) ([-+]) (\d+)", prompt).groups()
+        return f"{a} {op} {b} = {int(a) + int(b)}"  # right for +, wrong for - (unless b is 0)
+
+    rollout = _sampling(monkeypatch, policy)
+    settings = build_settings({"sft": {"data": "sampled", "temperature": 0.9}})
+    stream = list(itertools.islice(training_tasks(settings, in_loop=False), 60))
+    held_out = {stream[0].text}
+    pairs, record = await sampled_pairs(settings, held_out, 6, tmp_path)
+    passing = [t for t in stream[1:] if AnswerReward()(t, policy(t.text, 0)).passed][:6]
+    assert [p.prompt for p in pairs] == [t.text for t in passing]
+    assert [p.completion for p in pairs] == [f"{policy(t.text, 0)}\n<answer>{t.answer}</answer>" for t in passing]
+    assert record["kept"] == record["tags_added"] == 6 and record["temperature"] == 0.9
+    assert record["passed"] >= 6 and record["prompts"] >= stream.index(passing[-1])
+    assert sum(what == "generate" for _, what, _ in rollout.log) == record["prompts"]  # once per prompt
+    assert rollout.returncode == 0  # the worker was stopped
+
+
+async def test_sampled_pairs_give_up_on_a_model_that_never_passes(tmp_path, monkeypatch):
+    from areal_aio.app.sft import sampled_pairs
+
+    rollout = _sampling(monkeypatch, lambda prompt, version: "no idea")
+    with pytest.raises(ValueError, match=r"sft.data = sampled: 0 of the model's replies to \d+ training prompts passed"):
+        await sampled_pairs(build_settings({"sft": {"data": "sampled"}}), set(), 4, tmp_path)
+    assert rollout.returncode == 0
+
+
+def test_sampled_data_is_refused_for_an_episode_task(tmp_path):
+    with pytest.raises(PreflightError, match="sft.data = sampled: task 'calculator' plays episodes"):
+        check(build_settings({"sft": {"data": "sampled"}}, ["task.name=calculator"]), tmp_path / "a", None)
