@@ -506,6 +506,12 @@ class Settings:
         return "int8" if fits and int8_fast_cpu() else "off"
 
     @property
+    def runs_programs(self) -> bool:
+        """Whether the run executes the model's programs in the sandbox: a code task, or the code
+        reward named in task.reward."""
+        return self.task.name in CODE_TASKS or CODE_REWARD in repr(self.task.reward)
+
+    @property
     def sft_before_run(self) -> bool:
         """sft.before_run in force: auto is on where there is something to tune on, a JSONL file
         in sft.data or the generated replies of SFT_GENERATED tasks."""

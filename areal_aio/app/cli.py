@@ -35,7 +35,7 @@ from pathlib import Path
 
 import orjson
 
-from areal_aio.app.preflight import check_eval_file, preflight
+from areal_aio.app.preflight import check_eval_file, preflight, sandbox_lines
 from areal_aio.app.runner import close_console, exit_code, run_owned
 from areal_aio.control.progress import say
 from areal_aio.settings import SettingsError, describe, load_settings
@@ -121,6 +121,8 @@ def _command(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         say(f"error: {exc}")
         return 2
+    for line in sandbox_lines(settings):  # stderr: check's stdout stays a settings file
+        say(line)
     if args.command == "check":
         say(settings.to_toml().rstrip("\n"), sys.stdout)
         return 0

@@ -168,8 +168,9 @@ def check_episode(settings: Settings) -> None:
 
 def check_sandbox(settings: Settings) -> None:
     """A run that executes the model's programs (a code task, the code reward) needs the sandbox's
-    isolation (rewards/sandbox.py, probed once): without it every program would be refused."""
-    if settings.task.name not in CODE_TASKS and CODE_REWARD not in repr(settings.task.reward):
+    isolation and its syscall filter (rewards/sandbox.py, probed once; the filter may be waived
+    only in the environment): without them every program would be refused."""
+    if not settings.runs_programs:
         return
     from areal_aio.rewards import sandbox
 
@@ -179,6 +180,18 @@ def check_sandbox(settings: Settings) -> None:
         raise PreflightError(f"task.reward: the sandbox has no isolation on this machine (it needs util-linux "
                              f"unshare, and root or unprivileged user namespaces), so it would refuse every "
                              f"program ({why})")
+    if (refused := lay.refuses) is not None:
+        raise PreflightError(f"task.reward: the sandbox has {refused}")
+
+
+def sandbox_lines(settings: Settings) -> list[str]:
+    """The sandbox's layers in force, one line each, for a run that executes programs (what
+    `check` and a run's start say); none for a run that executes none."""
+    if not settings.runs_programs:
+        return []
+    from areal_aio.rewards import sandbox
+
+    return [f"sandbox {layer}: {text}" for layer, text in sandbox.layers().in_force().items()]
 
 
 def check_out(folder: Path, key: str) -> None:

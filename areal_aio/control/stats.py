@@ -252,10 +252,21 @@ def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, 
         "trainer_idle_frac": 1 - trainer_busy_s / wall if wall else None,
         "rollout_workers_detail": rollout_workers_detail,
         "loop_lag_max_ms": round(1000 * lag_max_s, 2),
+        "sandbox": sandbox_in_force(s),
         "folder": folder,
         "ended": ended(error, reason),
         "error": None if error is None or interrupted(error) else (str(error) or type(error).__name__),
     }
+
+
+def sandbox_in_force(s: Settings) -> dict[str, str] | None:
+    """The sandbox's layers a run's programs ran under, a line each (rewards/sandbox.py); None for
+    a run that executes no program."""
+    if not s.runs_programs:
+        return None
+    from areal_aio.rewards import sandbox
+
+    return sandbox.layers().in_force()
 
 
 ENDINGS = ("completed", "exhausted", "threshold", "max_wall", "stopped", "interrupted")

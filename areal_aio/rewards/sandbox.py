@@ -28,7 +28,10 @@ capability: as root a uid per run from a range no account uses (RLIMIT_NPROC the
 the run's processes, kill(-1) reaches only them); as another user a nested user namespace
 mapping one uid (its own RLIMIT_NPROC count; its mounts belong to the outer namespace, which it
 holds no capability in). Without it `run` refuses (status "infra", one line saying why): a
-program is never run with less. What stays open is listed in `layers().open` (docs/sandbox.md).
+program is never run with less. Without the syscall filter (libseccomp or pyseccomp missing) it
+refuses too, unless the person running accepts that in the environment (UNFILTERED_ENV).
+`layers().in_force()` says what holds, a line a layer; what stays open is listed in
+`layers().open` (docs/sandbox.md).
 """
 
 from __future__ import annotations
@@ -99,6 +102,16 @@ ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEE
 """The program's whole environment: constants, nothing of the parent's. A fixed hash seed
 keeps set and dict orders (and so a reference solution's outputs) the same run to run; one
 BLAS thread keeps numpy inside RLIMIT_NPROC."""
+UNFILTERED_ENV = "AREAL_AIO_SANDBOX_UNFILTERED"
+"""Set to 1 in the environment, it accepts running programs without the syscall filter where
+libseccomp or its Python binding (pyseccomp) is missing; unset, `run` refuses them there. An
+environment variable, since every process that runs programs (a run's reward pool, an eval, a
+caller's own) inherits it: accepting less isolation is the person's decision, made once for all
+of them, never a default. Where the filter can be had it is always installed."""
+NO_FILTER = ("no syscall filter here (libseccomp or its Python binding pyseccomp is missing), so programs are "
+             f"refused: install both (pip install pyseccomp; apt-get install libseccomp2), or set "
+             f"{UNFILTERED_ENV}=1 to run them without it")
+"""Why `run` refuses where the filter is missing and not accepted (one line)."""
 PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "loongarch64": 41, "ppc64le": 203, "ppc64": 203,
               "s390x": 217}
 """pivot_root's syscall number (glibc has no wrapper); elsewhere the new root is entered by a move + chroot."""
@@ -168,6 +181,31 @@ class Layers:
     def uid(self) -> bool:
         """Whether each program has a uid of its own (root callers)."""
         return self.mode == "root"
+
+    @property
+    def refuses(self) -> str | None:
+        """Why `run` refuses every program here (one line), None where it runs them."""
+        if self.mode is None:
+            return "the sandbox cannot isolate programs on this machine: " + self.open[0]
+        if not self.seccomp and not unfiltered_accepted():
+            return NO_FILTER
+        return None
+
+    def in_force(self) -> dict[str, str]:
+        """Each layer a program runs under here, in one line (`check`, a run's start, summary.json)."""
+        if self.mode is None:
+            return {"namespaces": "none: " + self.open[0]}
+        if self.seccomp:
+            filtered = f"seccomp: {len(DENIED_SYSCALLS)} calls and namespace-making clones refused (EPERM)"
+        elif unfiltered_accepted():
+            filtered = f"none (libseccomp or pyseccomp missing), accepted by {UNFILTERED_ENV}=1"
+        else:
+            filtered = f"none: programs are refused ({NO_FILTER})"
+        uid = ("a uid of its own per run, no capability" if self.uid
+               else "a user namespace mapping one uid, no capability (the caller's uid outside it)")
+        return {"namespaces": ", ".join(self.namespaces), "uid": uid, "filter": filtered,
+                "memory": (f"per process: {Limits().memory_mb} MB of address space x {self.procs} processes, "
+                           f"within {MEMORY_SHARE:.0%} of RAM for {CONCURRENCY} programs at once")}
 
     def as_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "unshare": self.unshare, "namespaces": list(self.namespaces),
@@ -418,6 +456,11 @@ def layers() -> Layers:
         return _layers
 
 
+def unfiltered_accepted() -> bool:
+    """Whether the person running accepted programs without the syscall filter (UNFILTERED_ENV)."""
+    return os.environ.get(UNFILTERED_ENV, "") == "1"
+
+
 def interpreter() -> str:
     """The base interpreter's binary (a venv's python is a link to it, or a copy)."""
     return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
@@ -634,8 +677,9 @@ def _open_with(lay: Layers) -> tuple[str, ...]:
            "readable, every package folder in them is covered",
            "time: the program sees the clock (timing side channels are not closed)"]
     if not lay.seccomp:
-        out.append("syscalls: no filter (libseccomp or pyseccomp missing): the kernel keyring and other "
-                   "rarely needed calls are reachable")
+        out.append(f"syscalls: no filter (libseccomp or pyseccomp missing): programs are refused unless "
+                   f"{UNFILTERED_ENV}=1 accepts it, and then the kernel keyring, bpf, userfaultfd, "
+                   f"io_uring and the namespace calls are reachable")
     if lay.mode == "userns":
         out.append("uid: the program's processes are the caller's uid outside its namespaces: a "
                    "signal to the caller's processes is refused only by the pid namespace")
@@ -689,8 +733,8 @@ def run(source: str, stdin: bytes = b"", *, wall_s: float = WALL_S, limits: Limi
     for the driver and the program, not by each).
     Blocks until it ends or is killed; never raises for anything the program does."""
     lay = layers()
-    if lay.mode is None:
-        return Outcome("infra", error="the sandbox cannot isolate programs on this machine: " + lay.open[0])
+    if (refused := lay.refuses) is not None:
+        return Outcome("infra", error=refused)
     try:
         bound = package_binds(tuple(packages))
     except ValueError as exc:

@@ -109,8 +109,26 @@ def test_code_tasks_are_refused_where_the_sandbox_isolates_nothing(files, capsys
     assert main(check("task.name=code")) == 2
     assert "task.reward: the sandbox has no isolation on this machine" in capsys.readouterr().err
     assert main(check()) == 0  # arithmetic runs no program
-    monkeypatch.setattr(sandbox, "layers", lambda: sandbox.Layers("userns"))  # a user ns of its own
-    assert main(check("task.name=code")) == 0
+    monkeypatch.setattr(sandbox, "layers", lambda: sandbox.Layers("userns", namespaces=("user", "pid"), seccomp=True))
+    assert main(check("task.name=code")) == 0  # a user ns of its own, and the filter
+    err = capsys.readouterr().err  # each layer in force, a line each, on stderr (stdout is the settings)
+    assert "sandbox namespaces: user, pid\n" in err and "sandbox filter: seccomp:" in err
+    assert "sandbox uid: a user namespace" in err and "sandbox memory: per process" in err
+
+
+def test_code_tasks_are_refused_without_the_syscall_filter_unless_accepted(files, capsys, monkeypatch):
+    from areal_aio.rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "layers", lambda: sandbox.Layers("root", namespaces=("pid",), procs=4))
+    monkeypatch.delenv(sandbox.UNFILTERED_ENV, raising=False)
+    assert main(check("task.name=functions")) == 2
+    err = capsys.readouterr().err
+    assert "task.reward: the sandbox has no syscall filter here" in err and sandbox.UNFILTERED_ENV in err
+    assert len(err.strip().splitlines()) == 1
+    monkeypatch.setenv(sandbox.UNFILTERED_ENV, "1")
+    assert main(check("task.name=functions")) == 0
+    assert f"sandbox filter: none (libseccomp or pyseccomp missing), accepted by {sandbox.UNFILTERED_ENV}=1" \
+        in capsys.readouterr().err
 
 
 def test_a_file_of_code_tasks_passes_with_the_code_reward(files, capsys):

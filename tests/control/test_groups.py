@@ -138,13 +138,18 @@ async def test_after_close_completions_are_ignored_and_episodes_cancelled(tmp_pa
 
 
 async def test_restart_mode_resubmits_then_drops(tmp_path):
+    """An interrupted reply is sent again from scratch (request id ~1) once; interrupted again
+    past controller.max_retries = 1, its group is dropped; what is trained came from one version."""
     rollout = FakeRollout(tokens=8, token_delay_s=0.002)
-    settings = make_settings("areal", **{"controller.on_interrupt": "restart", "controller.max_retries": 0,
+    settings = make_settings("areal", **{"controller.on_interrupt": "restart", "controller.max_retries": 1,
                                          "run.max_steps": 5})
     trainer = FakeTrainer(step_delay_s=0.001)
     summary = await orchestrator(tmp_path, settings, rollout=rollout, trainer=trainer).run()
+    sent = [rid for _, what, rid in rollout.log if what == "generate" and rid.startswith("g")]
     assert summary["steps"] == 5
-    assert summary["samples_dropped_interrupt"] > 0
+    assert any(rid.endswith("~1") for rid in sent)  # resubmitted
+    assert not any(rid.endswith("~2") for rid in sent)  # never past the limit
+    assert summary["samples_dropped_interrupt"] > 0  # interrupted again: dropped
     assert all(len(set(s.versions)) == 1 for b in trainer.batches for s in b.samples)
 
 

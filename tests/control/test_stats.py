@@ -77,3 +77,17 @@ def test_a_batch_s_groups_are_counted_by_whether_their_rewards_differ_and_their_
     assert group_fields(outcomes) == {"groups": 4, "spread_frac": 0.5, "solved_frac": 0.5, "unsolved_frac": 0.25}
     assert group_fields([]) == {"groups": 0, "spread_frac": None, "solved_frac": None, "unsolved_frac": None}
     assert has_spread([0.5, 0.5 + 1e-6]) and not has_spread([0.5, 0.5 + 1e-12]) and not has_spread([1.0])
+
+
+def test_the_summary_names_the_sandbox_layers_of_a_run_that_executes_programs(monkeypatch):
+    from areal_aio.control.stats import sandbox_in_force
+    from areal_aio.rewards import sandbox
+    from areal_aio.settings import build_settings
+
+    monkeypatch.setattr(sandbox, "layers", lambda: sandbox.Layers("root", namespaces=("pid", "net"), seccomp=True))
+    assert sandbox_in_force(build_settings({})) is None  # arithmetic runs no program
+    got = sandbox_in_force(build_settings({"task": {"name": "functions"}}))
+    assert got == sandbox.layers().in_force() and set(got) == {"namespaces", "uid", "filter", "memory"}
+    assert got["namespaces"] == "pid, net" and got["filter"].startswith("seccomp:")
+    coded = build_settings({"task": {"name": "jsonl", "path": "x.jsonl", "reward": "areal_aio.rewards.code:reward"}})
+    assert sandbox_in_force(coded) is not None  # the code reward on a file's rows

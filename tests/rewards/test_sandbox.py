@@ -231,8 +231,54 @@ def test_without_isolation_the_sandbox_refuses(monkeypatch):
     assert not marker.exists()
 
 
+def _unfiltered(monkeypatch) -> None:
+    """This process's sandbox as it is where libseccomp or pyseccomp is missing."""
+    import dataclasses
+
+    lay = layers()
+    monkeypatch.setattr(sandbox, "_layers", dataclasses.replace(lay, seccomp=False, open=sandbox._open_with(
+        dataclasses.replace(lay, seccomp=False))))
+
+
+KEYCTL_NUMBER = {"x86_64": 250, "aarch64": 219}
+"""keyctl(2)'s number: a call the filter refuses (EPERM); without it an unknown operation answers
+EOPNOTSUPP (ENOSYS without keyrings), never EPERM, whatever the kernel's sysctls."""
+
+
+def _keyctl_program() -> str:
+    return ("import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"rc = libc.syscall({KEYCTL_NUMBER[os.uname().machine]}, 999, 0, 0)\n"
+            "print(errno.errorcode.get(ctypes.get_errno(), '?') if rc == -1 else rc)")
+
+
+def test_without_the_syscall_filter_the_sandbox_refuses_unless_accepted(monkeypatch):
+    marker = Path(tempfile.gettempdir()) / f"areal-sbx-ran-{secrets.token_hex(4)}"
+    _unfiltered(monkeypatch)
+    monkeypatch.delenv(sandbox.UNFILTERED_ENV, raising=False)
+    out = run(f"open({str(marker)!r}, 'w').write('ran')")
+    assert out.status == "infra" and "no syscall filter" in out.error and sandbox.UNFILTERED_ENV in out.error
+    assert "\n" not in out.error and not marker.exists()
+    assert layers().in_force()["filter"].startswith("none: programs are refused")
+    monkeypatch.setenv(sandbox.UNFILTERED_ENV, "yes")  # only 1 accepts
+    assert run("print(1)").status == "infra"
+    monkeypatch.setenv(sandbox.UNFILTERED_ENV, "1")
+    out = run(_keyctl_program(), wall_s=WALL)
+    contained(out)
+    assert out.stdout.strip() != b"EPERM", "accepted: it ran, with no filter"
+    assert layers().in_force()["filter"] == f"none (libseccomp or pyseccomp missing), accepted by {sandbox.UNFILTERED_ENV}=1"
+    assert any(line.startswith("syscalls: no filter") for line in layers().open)
+
+
+def test_with_the_filter_accepting_its_absence_changes_nothing(monkeypatch):
+    monkeypatch.setenv(sandbox.UNFILTERED_ENV, "1")
+    out = run(_keyctl_program(), wall_s=WALL)
+    contained(out)
+    assert out.stdout.strip() == b"EPERM"  # the filter is installed wherever it can be
+    assert layers().in_force()["filter"].startswith("seccomp:")
+
+
 def test_a_sandbox_that_cannot_start_is_infra_not_a_program_failure(monkeypatch):
-    broken = sandbox.Layers("root", "/nonexistent/unshare", ("pid", "net", "mount"))
+    broken = sandbox.Layers("root", "/nonexistent/unshare", ("pid", "net", "mount"), seccomp=True)
     monkeypatch.setattr(sandbox, "_layers", broken)
     out = run("print('never')")
     assert out.status == "infra" and out.infra and "cannot start" in out.error
@@ -433,6 +479,23 @@ progs = {"right": "def add(a, b):\\n    return a + b", "peek": peek,
 print(json.dumps({k: reward(task, fenced(v), **task.extra).passed for k, v in progs.items()}))
 """)
     assert seen == {"right": True, "peek": True, "snoop": False, "kill": False, "verdict": False}, seen
+
+
+@pytest.mark.slow
+def test_as_an_unprivileged_uid_a_missing_filter_is_refused_unless_accepted():
+    seen = json_as(f"""
+import dataclasses, json, os
+from areal_aio.rewards import sandbox
+sandbox._layers = dataclasses.replace(sandbox.layers(), seccomp=False)
+refused = sandbox.run("print(1)")
+os.environ[sandbox.UNFILTERED_ENV] = "1"
+ran = sandbox.run({_keyctl_program()!r}, wall_s=1.5)
+print(json.dumps({{"mode": sandbox.layers().mode, "refused": [refused.status, refused.error],
+                  "ran": [ran.status, ran.stdout.decode().strip()]}}))
+""")
+    assert seen["mode"] == "userns"
+    assert seen["refused"][0] == "infra" and "no syscall filter" in seen["refused"][1]
+    assert seen["ran"][0] == "exited" and seen["ran"][1] != "EPERM"
 
 
 @pytest.mark.slow
