@@ -58,6 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal_aio.rewards import cgroups
+
 WALL_S = 4.0
 """Default wall-clock limit of one program (seconds)."""
 KILL_WAIT_S = 2.0
@@ -158,6 +160,7 @@ class Outcome:
     error: str = ""  # why, for infra
     uid: int | None = None  # the run's own uid (root callers; None: a user ns of its own)
     pid: int | None = None  # the session leader (its pid is the session and group id)
+    memory_peak: int | None = None  # bytes its processes held at most at once (its cgroup's count; None: no cgroup)
 
     @property
     def infra(self) -> bool:
@@ -173,7 +176,8 @@ class Layers:
     unshare: str | None = None  # the unshare binary
     namespaces: tuple[str, ...] = ()  # of user, pid, net, mount, ipc, uts
     seccomp: bool = False  # the syscall filter is installed
-    procs: int = 0  # the process limit that fits MEMORY_SHARE at Limits().memory_mb
+    procs: int = 0  # the process limit that fits MEMORY_SHARE at Limits().memory_mb (without a cgroup)
+    cgroup: cgroups.Hierarchy | None = None  # where each run gets a cgroup of its own; None: per-process limits
     open: tuple[str, ...] = ()  # what a program can still do
     notes: tuple[str, ...] = field(default=())  # why a stronger configuration was not used
 
@@ -203,13 +207,24 @@ class Layers:
             filtered = f"none: programs are refused ({NO_FILTER})"
         uid = ("a uid of its own per run, no capability" if self.uid
                else "a user namespace mapping one uid, no capability (the caller's uid outside it)")
-        return {"namespaces": ", ".join(self.namespaces), "uid": uid, "filter": filtered,
-                "memory": (f"per process: {Limits().memory_mb} MB of address space x {self.procs} processes, "
-                           f"within {MEMORY_SHARE:.0%} of RAM for {CONCURRENCY} programs at once")}
+        return {"namespaces": ", ".join(self.namespaces), "uid": uid, "filter": filtered, "memory": self.memory}
+
+    @property
+    def memory(self) -> str:
+        """How memory and processes are bounded, in one line."""
+        limits = Limits()
+        if self.cgroup is not None:
+            return (f"a {self.cgroup.describe()} per run: {run_memory(limits) >> 20} MB for all its processes "
+                    f"together{', no swap' if self.cgroup.swap else ''}, {limits.procs} processes; each process {limits.memory_mb} MB of "
+                    f"address space")
+        return (f"per process, no cgroup: {limits.memory_mb} MB of address space x {self.procs} processes, "
+                f"within {MEMORY_SHARE:.0%} of RAM for {CONCURRENCY} programs at once")
 
     def as_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "unshare": self.unshare, "namespaces": list(self.namespaces),
-                "seccomp": self.seccomp, "procs": self.procs, "open": list(self.open), "notes": list(self.notes)}
+                "seccomp": self.seccomp, "procs": self.procs,
+                "cgroup": None if self.cgroup is None else self.cgroup.describe(),
+                "open": list(self.open), "notes": list(self.notes)}
 
 
 # ------------------------------------------------------------------------- the ns's init
@@ -401,6 +416,11 @@ try:
     for name in cfg["preload"]:  # what every process of the run imports, once, before the forks
         __import__(name)
     site.setquit()  # exit() and quit(), which the interpreter's -S leaves out
+    for procs in cfg["cgroups"]:  # before any fork: a child is born in its parent's cgroup
+        try:
+            write_file(procs, "0")
+        except OSError as exc:
+            fail("join the run's cgroup %s: %s" % (procs, exc.strerror))
     build_root("/tmp")
     libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: its cmdline, memory and fds are no program's to read
     null = os.open("/dev/null", os.O_RDONLY)
@@ -611,6 +631,8 @@ except OSError as exc:
 import decimal, fractions, ssl  # modules not loaded yet: the interpreter's folders are readable
 out["marker"] = os.path.exists(%r)
 out["site"] = [p for p in __import__("sys").path if os.path.isdir(p) and os.listdir(p) and "-packages" in p]
+with open("/proc/self/cgroup") as fh:
+    out["cgroup"] = fh.read()
 os.write(3, json.dumps(out).encode())
 '''
 
@@ -625,6 +647,9 @@ def _probe() -> Layers:
         notes.append("util-linux unshare not found")
     modes = (["root"] if os.geteuid() == 0 else []) + ["userns"]
     procs = effective_procs(Limits())
+    where, why = cgroups.find()
+    if where is None:
+        notes.append(f"no cgroup per run: {why}")
     bpf = seccomp_filter()
     if bpf is None:
         notes.append("libseccomp (pyseccomp) not found: no syscall filter")
@@ -637,26 +662,30 @@ def _probe() -> Layers:
         marker = os.path.join(host or "/nonexistent", "host-marker")
         if host:
             Path(marker).write_text("host")
-        for mode in modes if unshare else ():
-            trial = Layers(mode, unshare, ns if mode == "root" else ("user", *ns), seccomp=bpf is not None, procs=procs)
+        trials = [(mode, group) for mode in (modes if unshare else ()) for group in dict.fromkeys((where, None))]
+        for mode, group in trials:  # each mode with a cgroup per run first, then without
+            trial = Layers(mode, unshare, ns if mode == "root" else ("user", *ns), seccomp=bpf is not None,
+                           procs=procs, cgroup=group)
+            label = f"{mode}{' in a cgroup' if group else ''}"
             try:
                 out = _run(PROBE % marker, b"", 10.0, Limits(), trial, None, ())
             except Exception as exc:  # noqa: BLE001 - a probe never raises: a layer is on or off
-                notes.append(f"{mode}: {type(exc).__name__}: {exc}")
+                notes.append(f"{label}: {type(exc).__name__}: {exc}")
                 continue
             if out.status != "exited" or out.exit_code != 0:
                 why = out.error or out.stderr[-300:].decode(errors="replace")
-                notes.append(f"{mode}: {out.status} {why}".strip().replace("\n", " "))
+                notes.append(f"{label}: {out.status} {why}".strip().replace("\n", " "))
                 continue
             try:
                 seen = json.loads(out.results)
             except ValueError:
-                notes.append(f"{mode}: the probe wrote no report")
+                notes.append(f"{label}: the probe wrote no report")
                 continue
             ok = (seen["uid"] != 0 and seen["pid"] == 2 and seen["net"] != "connected" and not seen["marker"]
-                  and not any(seen["caps"].values()) and not seen["site"])
+                  and not any(seen["caps"].values()) and not seen["site"]
+                  and (group is None or cgroups.PREFIX in seen["cgroup"]))
             if not ok:
-                notes.append(f"{mode}: started but not isolated: {seen}")
+                notes.append(f"{label}: started but not isolated: {seen}")
                 continue
             lay = dataclasses.replace(trial, notes=tuple(notes))
             return dataclasses.replace(lay, open=_open_with(lay))
@@ -670,8 +699,8 @@ def _probe() -> Layers:
 
 def _open_with(lay: Layers) -> tuple[str, ...]:
     """What a program can still do (docs/sandbox.md)."""
-    out = [f"memory: bounded per process ({Limits().memory_mb} MB of address space x {lay.procs} processes, "
-           f"within {MEMORY_SHARE:.0%} of RAM for {CONCURRENCY} programs at once), not by a cgroup",
+    out = [f"memory: {lay.memory}" + ("" if lay.cgroup else ": a program can hold its process limit x its "
+                                       "address space"),
            "cpu: each process has RLIMIT_CPU; the run has its wall clock",
            "files: the system's programs and libraries (/usr, /lib, ...) and the interpreter's lib/ are "
            "readable, every package folder in them is covered",
@@ -745,6 +774,33 @@ def run(source: str, stdin: bytes = b"", *, wall_s: float = WALL_S, limits: Limi
 
 def _run(source: str, stdin: bytes, wall_s: float, limits: Limits, lay: Layers, driver: str | None,
          packages: list[tuple[str, str]] | tuple, preload: tuple[str, ...] = ()) -> Outcome:
+    """One run, inside a cgroup of its own where the layers have one (made before, removed after)."""
+    if lay.cgroup is None:
+        return _started(source, stdin, wall_s, limits, lay, driver, packages, preload, [])
+    group = cgroups.RunGroup(lay.cgroup, run_memory(limits), limits.procs)
+    try:
+        group.make()
+    except OSError as exc:
+        return Outcome("infra", error=f"cannot make the run's cgroup: {exc}")
+    try:
+        out = _started(source, stdin, wall_s, limits, lay, driver, packages, preload, group.procs)
+    finally:
+        group.remove()
+    return dataclasses.replace(out, memory_peak=group.peak)
+
+
+def run_memory(limits: Limits) -> int:
+    """The bytes a run's processes may hold together in its cgroup: Limits.memory_mb, lowered so
+    that CONCURRENCY runs at once stay within MEMORY_SHARE of RAM."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return limits.memory_mb << 20
+    return min(limits.memory_mb << 20, int(ram * MEMORY_SHARE / CONCURRENCY))
+
+
+def _started(source: str, stdin: bytes, wall_s: float, limits: Limits, lay: Layers, driver: str | None,
+             packages: list[tuple[str, str]] | tuple, preload: tuple[str, ...], joins: list[str]) -> Outcome:
     uid = UID_BASE + 2 * secrets.randbelow(UID_SPAN // 2) if lay.mode == "root" else None
     cpu = limits.cpu_s if limits.cpu_s is not None else int(wall_s) + 2
     names = ["code", "stdin", "stdout", "stderr", "results", "control"] + (["driver"] if driver is not None else [])
@@ -758,7 +814,9 @@ def _run(source: str, stdin: bytes, wall_s: float, limits: Limits, lay: Layers, 
            "cover": cover, "packages": packages, "packages_at": PACKAGES_AT, "tmpfs_mb": TMPFS_MB,
            "pivot": PIVOT_ROOT.get(platform.machine()), "deadline_s": wall_s + GRACE_S,
            "seccomp": seccomp_filter() if lay.seccomp else None, "preload": [m for m in preload if m in PRELOADABLE],
-           "limits": {"as": limits.memory_mb << 20, "nproc": effective_procs(limits),
+           "cgroups": joins,  # the init joins them first: every process of the run is inside
+           "limits": {"as": limits.memory_mb << 20,
+                      "nproc": limits.procs if joins else effective_procs(limits),
                       "fsize": limits.file_mb << 20, "cpu": cpu, "nofile": limits.open_files}, "env": ENV}
     flags = [f"--{n}" for n in lay.namespaces if n != "user"]
     if "user" in lay.namespaces:

@@ -45,6 +45,47 @@ def test_layers_on_this_machine_are_reported():
     assert lay.mode == "root" and set(lay.namespaces) >= {"pid", "net", "mount", "ipc", "uts"}, lay.notes
     assert lay.seccomp and 2 <= lay.procs <= sandbox.Limits().procs, lay
     assert any(line.startswith("memory:") for line in lay.open)
+    assert lay.cgroup is not None, lay.notes  # root here may make a cgroup per run
+    assert lay.in_force()["memory"].startswith("a cgroup v")
+
+
+HOG = ("import os, time\nkids = []\nfor _ in range(3):\n    pid = os.fork()\n    if pid == 0:\n"
+       "        x = b'1' * (600 << 20)\n        os.write(3, b'held\\n')\n        time.sleep(1.5)\n        os._exit(0)\n"
+       "    kids.append(pid)\nfor pid in kids:\n    os.waitpid(pid, 0)\n")
+"""Three processes, each allocating 600 MB (under its 1 GiB of address space) and holding it."""
+
+
+def test_programs_allocating_at_once_stay_within_their_cgroups_together():
+    """As many programs as run at once, each with three processes asking for 600 MB apiece
+    (1.8 GB, within every per-process limit): each run's processes together never hold more than
+    its cgroup's bound, so all of them together stay within MEMORY_SHARE of RAM; the kernel's OOM
+    killer acts inside a run's cgroup, never on the caller."""
+    import concurrent.futures
+
+    cap = sandbox.run_memory(sandbox.Limits())
+    with concurrent.futures.ThreadPoolExecutor(sandbox.CONCURRENCY) as pool:
+        outs = list(pool.map(lambda _: run(HOG, wall_s=8.0), range(sandbox.CONCURRENCY)))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for out in outs:
+        contained(out)
+        assert out.results.count(b"held") >= 1  # it did allocate
+        assert out.memory_peak is not None and (600 << 20) < out.memory_peak <= cap
+    assert sum(o.memory_peak for o in outs) <= sandbox.MEMORY_SHARE * ram
+    name = sandbox.layers().cgroup.memory
+    assert not [p for p in os.listdir(name) if p.startswith(f"{sandbox.cgroups.PREFIX}{os.getpid()}-")]
+
+
+def test_without_a_cgroup_memory_is_bounded_per_process(monkeypatch):
+    import dataclasses
+
+    monkeypatch.setattr(sandbox, "_layers", dataclasses.replace(layers(), cgroup=None))
+    assert layers().in_force()["memory"].startswith("per process, no cgroup")
+    out = run("x = b'1' * (200 << 20)\nprint(len(x))", wall_s=WALL * 2)
+    contained(out)
+    assert out.stdout == b"209715200\n" and out.memory_peak is None
+    big = run("x = b'1' * (1100 << 20)", wall_s=WALL * 2)  # past its address space: refused inside
+    contained(big)
+    assert big.exit_code == 1 and b"MemoryError" in big.stderr
 
 
 def test_a_plain_program_runs_with_outputs_and_an_empty_environment():
@@ -144,7 +185,8 @@ def test_a_thread_storm_stops_at_the_process_limit():
                "except RuntimeError:\n    print(n)\n")
     out = run(program, wall_s=WALL)
     contained(out)
-    assert out.status == "exited" and int(out.stdout) < layers().procs
+    lay = layers()  # in a cgroup of its own: its pids bound; else RLIMIT_NPROC lowered to fit RAM
+    assert out.status == "exited" and int(out.stdout) < (sandbox.Limits().procs if lay.cgroup else lay.procs)
 
 
 def test_a_segfault_is_an_exit_by_signal():
@@ -496,6 +538,24 @@ print(json.dumps({{"mode": sandbox.layers().mode, "refused": [refused.status, re
     assert seen["mode"] == "userns"
     assert seen["refused"][0] == "infra" and "no syscall filter" in seen["refused"][1]
     assert seen["ran"][0] == "exited" and seen["ran"][1] != "EPERM"
+
+
+@pytest.mark.slow
+def test_as_an_unprivileged_uid_memory_falls_back_to_per_process_limits_and_says_why():
+    seen = json_as("""
+import json
+from areal_aio.rewards import sandbox
+lay = sandbox.layers()
+out = sandbox.run("x = b'1' * (200 << 20)\\nprint(len(x))")
+print(json.dumps({"mode": lay.mode, "cgroup": lay.as_dict()["cgroup"], "memory": lay.in_force()["memory"],
+                  "notes": lay.notes, "status": out.status, "stdout": out.stdout.decode(), "peak": out.memory_peak}))
+""")
+    assert seen["mode"] == "userns" and seen["status"] == "exited" and seen["stdout"] == "209715200\n"
+    if seen["cgroup"] is None:  # the tree is root's: nobody may make cgroups in it
+        assert seen["memory"].startswith("per process, no cgroup") and seen["peak"] is None
+        assert any(n.startswith("no cgroup per run:") for n in seen["notes"])
+    else:  # a tree delegated to this uid
+        assert seen["memory"].startswith("a cgroup v") and seen["peak"] > 200 << 20
 
 
 @pytest.mark.slow
