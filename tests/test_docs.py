@@ -88,3 +88,16 @@ def test_files_named_outside_docs_exist():
     for path in [ROOT / "README.md", *PAGES]:
         for name in REPO_PATH.findall(path.read_text()):
             assert (ROOT / name).exists(), f"{path.name} names {name}, which does not exist"
+
+
+def test_every_page_is_reachable_from_the_index_and_the_readme():
+    """mkdocs' nav lists a page without a reader finding it: each page is linked from the home
+    page's table and from the README's docs list (the pages a newcomer reads first)."""
+    index = (ROOT / "docs" / "index.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    docs_list = readme[readme.index("## Documentation"):]
+    for page in PAGES:
+        if page.name == "index.md":
+            continue
+        assert f"]({page.name})" in index, f"docs/index.md does not link {page.name}"
+        assert f"](docs/{page.name})" in docs_list, f"README's Documentation list does not link {page.name}"
