@@ -485,3 +485,47 @@ async def test_sampled_pairs_give_up_on_a_model_that_never_passes(tmp_path, monk
 def test_sampled_data_is_refused_for_an_episode_task(tmp_path):
     with pytest.raises(PreflightError, match="sft.data = sampled: task 'calculator' plays episodes"):
         check(build_settings({"sft": {"data": "sampled"}}, ["task.name=calculator"]), tmp_path / "a", None)
+
+
+def test_a_pair_with_given_words_trains_only_what_follows_them(tokenizer):
+    whole = Pair("Calculate 5 - 9.", "5 - 9 = -4\n<answer>-4</answer>")
+    added = Pair("Calculate 5 - 9.", "\n<answer>-4</answer>", given="5 - 9 = -4")
+    prompt, completion = tokenize(tokenizer, added, "Be terse.")
+    full_prompt, full_completion = tokenize(tokenizer, whole, "Be terse.")
+    assert prompt + completion == full_prompt + full_completion  # the same ids, cut elsewhere
+    assert prompt[:len(full_prompt)] == full_prompt and len(completion) < len(full_completion)
+    assert tokenizer.decode(completion[:-1]).endswith("<answer>-4</answer>") and completion[-1] == tokenizer.eos_token_id
+    assert "5 - 9 = -4" not in tokenizer.decode(completion)  # the model's own words are context only
+
+
+def test_sampled_pair_trains_the_reply_or_only_what_was_added():
+    from areal_aio.app.sft import sampled_pair
+
+    task = Task("t", "Calculate 5 - 9.", "-4")
+    kept = "5 - 9 = -4\n<answer>-4</answer>"
+    assert sampled_pair(task, "5 - 9 = -4 ", kept, "reply") == Pair(task.text, kept)
+    assert sampled_pair(task, "5 - 9 = -4 ", kept, "added") == Pair(task.text, "\n<answer>-4</answer>", given="5 - 9 = -4")
+    assert sampled_pair(task, kept, kept, "added") is None  # tagged by itself: nothing added to train
+    assert sampled_pair(task, kept, kept, "reply") == Pair(task.text, kept)
+
+
+async def test_sampled_pairs_greedy_and_added_only(tmp_path, monkeypatch):
+    from areal_aio.app import sft
+    from areal_aio.app.sft import sampled_pairs
+
+    _sampling(monkeypatch, lambda prompt, version: "It is 7.")
+    sent = []
+
+    async def answers(worker, msgs):
+        sent.extend(msgs)
+        return await real(worker, msgs)
+
+    real = sft.answers
+    monkeypatch.setattr(sft, "answers", answers)
+    settings = build_settings({"sft": {"data": "sampled", "temperature": 0.0, "train_on": "added"}},
+                              ['task.operators=["+"]', "task.terms=2"])
+    pairs, record = await sampled_pairs(settings, set(), 2, tmp_path)
+    stream = [t for t in itertools.islice(training_tasks(settings, in_loop=False), 200) if t.answer == "7"][:2]
+    assert pairs == [Pair(t.text, "\n<answer>7</answer>", given="It is 7.") for t in stream]
+    assert record["train_on"] == "added" and record["temperature"] == 0.0
+    assert sent and {msg.temperature for msg in sent} == {0.0}  # greedy: the replies its evals score
