@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 import os
 import secrets
 import socket
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from areal_aio.control.stats import Counts
 from areal_aio.settings import EndpointSettings, SettingsError
@@ -92,7 +94,8 @@ class Endpoint:
         app.router.add_get("/{episode}/v1/models", self._models)
         app.router.add_post("/{episode}/v1/chat/completions", self._chat)
         app.router.add_post("/{episode}/reward", self._reward)
-        self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, access_log=None,
+                                     logger=self._server_log())
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.settings.host, self.settings.port, backlog=BACKLOG)
         await site.start()
@@ -125,6 +128,15 @@ class Endpoint:
             while len(self.ended) > ENDED_KEPT:
                 self.ended.popitem(last=False)
             self._end(served)
+
+    def _server_log(self) -> logging.Logger:
+        """The logger aiohttp reports a request it could not parse to (a request line or a header
+        past 8,190 bytes, a malformed request: aiohttp answers it 400 itself): counted as that
+        client error, its traceback printed nowhere (it is aiohttp's, not a bug of ours); any
+        other report goes to the loop's exception handler, as a handler's bug does."""
+        log = logging.Logger("areal_aio.endpoint.server")  # its own: never the process's hierarchy
+        log.addHandler(_ServerReports(self.counts))
+        return log
 
     @staticmethod
     def _end(served: Served) -> None:
@@ -213,6 +225,24 @@ class Endpoint:
             error = ChatError(500, f"internal error: {type(exc).__name__}", kind="server_error")
         self.counts.answered(error.status)
         return _response(error.body(), error.status)
+
+
+class _ServerReports(logging.Handler):
+    """aiohttp's own reports (Endpoint._server_log): a request it could not parse is a counted
+    client error; anything else reaches the loop's exception handler."""
+
+    def __init__(self, counts: Counts) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def emit(self, record: logging.LogRecord) -> None:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 400) < 500:
+            self.counts.answered(exc.code or 400)
+            return
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing to report to
+            asyncio.get_running_loop().call_exception_handler(
+                {"message": f"areal_aio endpoint: {record.getMessage()}", "exception": exc})
 
 
 async def _json(request: web.Request):

@@ -136,7 +136,10 @@ def _message(m: Any, i: int) -> Message:
     if content is not None and not isinstance(content, str):
         raise ChatError(400, f"{where}.content: a string, a list of text parts or null", param=f"{where}.content")
     role = "system" if m["role"] == "developer" else m["role"]
-    calls = tuple(_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(m.get("tool_calls") or ()))
+    raw_calls = m.get("tool_calls")
+    if raw_calls is not None and not isinstance(raw_calls, list):
+        raise ChatError(400, f"{where}.tool_calls: a list of tool calls", param=f"{where}.tool_calls")
+    calls = tuple(_call(c, f"{where}.tool_calls[{k}]") for k, c in enumerate(raw_calls or ()))
     if calls and role != "assistant":
         raise ChatError(400, f"{where}: only an assistant message has tool_calls", param=where)
     call_id = m.get("tool_call_id") or ""
@@ -177,7 +180,8 @@ def _tools(tools: Any, choice: Any) -> tuple[tuple[dict[str, Any], ...], str | N
         return (), None
     if choice == "required":
         return tuple(tools), "required"
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) and isinstance(fn.get("name"), str) else None
     if name not in {t["function"]["name"] for t in tools}:
         raise ChatError(400, "tool_choice: auto, none, required or {type: function, function: {name}} "
                              "naming one of the tools", param="tool_choice")

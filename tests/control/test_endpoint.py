@@ -104,6 +104,31 @@ async def test_bad_input_gets_openai_errors_and_the_endpoint_keeps_serving(serve
     assert ep.counts.endpoint_errors == {"404": 2, "400": 2, "413": 1}
 
 
+async def test_what_aiohttp_cannot_parse_is_a_counted_400_with_no_traceback(served, capfd):
+    """A request line or a header past 8,190 bytes: aiohttp answers 400 itself; it is counted,
+    and nothing reaches the console. The two requests that once answered 500 answer 400."""
+    ep, model, gate, url = served
+    for raw in (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 9000 + b"\r\n\r\n"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", ep.port)
+        writer.write(raw)
+        await writer.drain()
+        assert (await reader.read(64)).startswith(b"HTTP/1.0 400")
+        writer.close()
+    async with httpx.AsyncClient() as c:
+        for body in ({"tool_choice": {"type": "function", "function": "calculator"}, "tools": chat_tools()},
+                     {"messages": [*USER, {"role": "assistant", "content": "x", "tool_calls": 5}]}):
+            r = await c.post(f"{url}/chat/completions", json={"model": "policy", "messages": USER, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"], r.text
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and "Error handling request" not in out + err
+    assert ep.counts.endpoint_errors == {"400": 4} and model.replies == 0
+
+
+def chat_tools() -> list[dict]:
+    return [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+
+
 async def test_too_many_concurrent_calls_get_429_and_the_rest_are_answered_in_order(served):
     ep, model, gate, url = served
     gate.open.clear()

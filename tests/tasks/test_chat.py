@@ -227,3 +227,62 @@ async def test_a_call_that_starts_a_sequence_and_fails_leaves_none_to_extend():
     assert body["choices"][0]["message"]["content"] == "Again" and conv.model.replies == 2
     assert policy.asks[-1].context_ids is None and policy.asks[-1].messages == chat.chat_of(ask(again))
     assert [t.mask for t in conv.model.sequences] == [[1] * 5, [1] * 5]
+
+
+JUNK = (None, True, 0, -1, 1.5, "", "x", [], [None], [1], {}, {"a": 1}, [{}], {"name": 1}, {"function": "add"},
+        {"function": {"name": 7}}, [{"function": "add"}], [{"type": "function", "function": {"name": None}}])
+"""Values a careless or hostile client puts where a field belongs."""
+VALID = {"model": "policy", "messages": [
+    {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 2}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "5"}],
+    "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}},
+    "max_tokens": 8, "stop": ["\n"], "logprobs": True, "n": 1, "stream": False}
+
+
+def _fields(value, path=()):
+    """The path of every field of a request body (dict keys and list places), nested ones too."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, inner in items:
+        yield (*path, key)
+        yield from _fields(inner, (*path, key))
+
+
+def _replaced(body, path, junk):
+    import copy
+
+    out = copy.deepcopy(body)
+    place = out
+    for key in path[:-1]:
+        place = place[key]
+    place[path[-1]] = junk
+    return out
+
+
+def test_every_field_of_a_request_given_junk_answers_a_4xx_or_parses():
+    """Each field of a full request (tools, calls, messages, their parts), in turn, given each
+    junk value: the request parses, or is refused as a client error naming a field; never an
+    exception of another kind (a 500 at the endpoint)."""
+    assert ChatRequest.parse(VALID, "policy").tool_choice == "add"
+    tried = 0
+    for path in _fields(VALID):
+        for junk in JUNK:
+            tried += 1
+            try:
+                ChatRequest.parse(_replaced(VALID, path, junk), "policy")
+            except ChatError as err:
+                assert 400 <= err.status < 500 and err.body()["error"]["message"]
+            except Exception as exc:  # noqa: BLE001 - what this test is looking for
+                pytest.fail(f"{'.'.join(map(str, path))} = {junk!r}: {type(exc).__name__}: {exc}")
+    assert tried > 500
+
+
+@pytest.mark.parametrize(("change", "param"), [
+    ({"tool_choice": {"type": "function", "function": "add"}}, "tool_choice"),
+    ({"messages": [*USER, {"role": "assistant", "content": "x", "tool_calls": 5}]}, "messages[2].tool_calls"),
+])
+def test_the_two_requests_that_answered_500_name_their_field(change, param):
+    with pytest.raises(ChatError) as err:
+        ChatRequest.parse({"model": "policy", "messages": USER, "tools": TOOLS, **change}, "policy")
+    assert err.value.status == 400 and err.value.param == param
