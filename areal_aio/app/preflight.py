@@ -23,7 +23,11 @@ of a traceback seconds or minutes into the run. Checked:
                      rollout.devices and trainer.devices: torch in a subprocess (this
                      process never imports torch) sees that device
     task.episode     imports, and is an async def episode(task, model)
+    endpoint.*       an episode run with the endpoint on: endpoint.key_env's variable is set,
+                     endpoint.host resolves and can be listened on, endpoint.port (unless 0)
+                     is free there
     (sandbox)        a code task or the code reward: the sandbox isolates (namespaces or a uid)
+                     and has its syscall filter (or AREAL_AIO_SANDBOX_UNFILTERED=1 accepts none)
     lora.targets     with lora.rank > 0, a list of names: each a linear layer of the model
                      (torch in a subprocess); an adapter folder as model.path: its base
     ray.address      a running cluster's ("auto", host:port): something listens there
@@ -35,9 +39,11 @@ Numbers (finite, in range) are checked earlier, by settings validation.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -87,6 +93,7 @@ def preflight(settings: Settings, out: str | Path | None = None, *, out_key: str
     check_task_data(settings)
     check_reward(settings, rows)
     check_episode(settings)
+    check_endpoint(settings)
     check_sandbox(settings)
     check_out(Path(out) if out is not None else Path(settings.run.out_dir),
               out_key if out is not None else "run.out_dir")
@@ -164,6 +171,32 @@ def check_episode(settings: Settings) -> None:
         load_episode(spec)
     except SettingsError as exc:
         raise PreflightError(str(exc)) from None
+
+
+def check_endpoint(settings: Settings) -> None:
+    """An episode run's endpoint (endpoint.enabled) can serve: its key variable is set, its host
+    resolves to an address of this machine, its port (unless 0) is free there. Checked before
+    any worker starts, so a run that could not serve writes nothing."""
+    from areal_aio.control.episodes import episode_spec
+
+    cfg = settings.endpoint
+    if not (episode_spec(settings) and cfg.enabled):
+        return
+    if cfg.key_env and not os.environ.get(cfg.key_env):
+        raise PreflightError(f"endpoint.key_env: the environment variable {cfg.key_env} is unset or empty "
+                             f"(it holds the API key clients must send)")
+    try:
+        found = socket.getaddrinfo(cfg.host or None, cfg.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise PreflightError(f"endpoint.host: {cfg.host!r} does not resolve ({exc})") from None
+    family, kind, proto, _, address = found[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds it
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            what = "endpoint.port" if cfg.port and exc.errno == errno.EADDRINUSE else "endpoint.host"
+            raise PreflightError(f"{what}: cannot listen on {cfg.host}:{cfg.port} ({exc.strerror or exc})") from None
 
 
 def check_sandbox(settings: Settings) -> None:

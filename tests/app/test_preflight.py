@@ -287,3 +287,36 @@ def test_check_names_a_lora_target_the_model_lacks(files, capsys):
     err = capsys.readouterr().err
     assert err.startswith("settings error: lora.targets: 'qkv_proj' is not a linear layer of embedded:tiny-random"), err
     assert main(check(*sets[:2], "lora.targets=['q_proj']")) == 0
+
+
+EPISODE = ("task.name=calculator", "task.episode=areal_aio.tasks.calculator_openai:episode")
+
+
+def test_endpoint_settings_are_checked_before_anything_starts(files, capsys, monkeypatch):
+    """An unset key variable, a host that does not resolve, a busy port: `check` and `run` exit
+    2 with one line naming the key, no worker started and no run folder written."""
+    import socket
+
+    monkeypatch.delenv("AREAL_AIO_TEST_KEY", raising=False)
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    cases = [(("endpoint.key_env=AREAL_AIO_TEST_KEY",), "endpoint.key_env: the environment variable AREAL_AIO_TEST_KEY"),
+             (("endpoint.host=no-such-host.invalid", "endpoint.key_env=HOME"), "endpoint.host: 'no-such-host.invalid' does not resolve"),
+             ((f"endpoint.port={port}",), f"endpoint.port: cannot listen on 127.0.0.1:{port}")]
+    try:
+        for sets, said in cases:
+            for command in ("check", "run"):
+                argv = check(*EPISODE, *sets)
+                argv[0] = command
+                if command == "run":
+                    argv += ["--out", str(files / "runs" / "r")]
+                assert main(argv) == 2, (sets, command)
+                err = capsys.readouterr().err.strip().splitlines()
+                assert len(err) == 1 and said in err[0], err
+        assert not (files / "runs").exists()  # nothing written
+        assert main(check(*EPISODE, f"endpoint.port={port}", "endpoint.enabled=false")) == 0  # not served: not checked
+        assert main(check(*EPISODE)) == 0  # port 0, loopback, no key: serves
+    finally:
+        busy.close()
