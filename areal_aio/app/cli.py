@@ -175,9 +175,15 @@ def _eval(model: str, settings_path: str | None, overrides: list[str], out: str 
         result = run_owned(evaluate_model(settings, target))
     except BaseException as exc:  # noqa: BLE001 - exit_code re-raises what is not a job's end
         return exit_code(exc, target.parent)
+    failed, n = result.get("episode_failures", 0), result["n"]
+    wrote = f"{'overwrote' if replaced else 'wrote'} {target} (the eval's logs beside it)"
+    if n and failed == n:  # no episode played to its end: there is no score to show
+        say(f"{wrote}\n{spec}: all {n} episodes failed (each scored 0; their turns are in eval.json): no score",
+            sys.stdout, target.parent)
+        return 1
+    said = f"; {failed} of {n} episodes failed, scored 0" if failed else ""
     say(f"{spec}: pass {result['pass_rate']:.3f}  strict {result['strict_rate']:.3f}  "
-        f"reward {result['reward_mean']:.3f}  ({result['n']} held-out prompts)\n"
-        f"{'overwrote' if replaced else 'wrote'} {target} (the eval's logs beside it)", sys.stdout, target.parent)
+        f"reward {result['reward_mean']:.3f}  ({n} held-out prompts{said})\n{wrote}", sys.stdout, target.parent)
     return 0
 
 

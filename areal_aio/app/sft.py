@@ -404,11 +404,11 @@ async def evaluate(settings: Settings, stages: dict[str, list[Task]], folder: Pa
     scored; their rows are appended to samples.jsonl."""
     everything = [t for tasks in stages.values() for t in tasks]
     scorer = Scorer(load_rewards(settings.task), timeout_s=settings.controller.reward_timeout_s, procs=0)
-    turns = None
+    turns, failed = None, None
     try:
         if spec := episode_spec(settings):
             played = await greedy_episodes(settings, everything, folder / log, load_episode(spec), scorer)
-            completions, scores, turns = played.completions, played.scores, played.turns
+            completions, scores, turns, failed = played.completions, played.scores, played.turns, played.failed
         else:
             completions = await greedy_completions(settings, everything, folder / log)
             scores = await score(scorer, everything, completions)
@@ -420,6 +420,8 @@ async def evaluate(settings: Settings, stages: dict[str, list[Task]], folder: Pa
         their_turns = turns[lo:lo + len(tasks)] if turns is not None else None
         lo += len(tasks)
         out[stage] = format_rates(done, got)
+        if failed is not None:  # an episode run: the episodes that failed (scored 0)
+            out[stage]["episode_failures"] = sum(failed[lo - len(tasks):lo])
         for row, c in zip(sample_rows(0, tasks, done, got, their_turns), done, strict=True):
             reply = parse(c.text)
             rows.append({**row, "kind": "sft_eval", "stage": stage, "valid": reply.valid,
@@ -630,6 +632,16 @@ def _tokenize_all(settings: Settings, plan: list[list[Pair]]) -> list[list[tuple
     return [[tokenize(tokenizer, pair, settings.model.system_prompt) for pair in batch] for batch in plan]
 
 
+def eval_line(stage: str, r: dict[str, Any]) -> str:
+    """One eval's line: its rates, or, where every episode failed, that there is no score."""
+    failed = r.get("episode_failures", 0)
+    if failed and failed == r["n"]:
+        return f"{stage:>12}: all {r['n']} episodes failed (each scored 0; samples.jsonl has their turns): no score"
+    said = f"; {failed} episodes failed, scored 0" if failed else ""
+    return (f"{stage:>12}: valid {r['valid_rate']:.3f}  pass {r['pass_rate']:.3f}  strict {r['strict_rate']:.3f}  "
+            f"({r['n']} held-out prompts{said})")
+
+
 def main(settings_path: str, overrides: list[str], out: str | None) -> int:
     """`python -m areal_aio sft`: exit 0 done, 1 failed (one line; error.log), 2 bad input, 130 / 143."""
     from areal_aio.app.runner import exit_code, run_owned
@@ -645,9 +657,7 @@ def main(settings_path: str, overrides: list[str], out: str | None) -> int:
         summary = run_owned(fine_tune(settings, folder))
     except BaseException as exc:  # noqa: BLE001 - exit_code re-raises what is not a run's end
         return exit_code(exc, folder)
-    lines = [f"{stage:>12}: valid {r['valid_rate']:.3f}  pass {r['pass_rate']:.3f}  "
-             f"strict {r['strict_rate']:.3f}  ({r['n']} held-out prompts)"
-             for stage in ("before_plain", "before", "after") if (r := summary.get(stage))]
+    lines = [eval_line(stage, r) for stage in ("before_plain", "before", "after") if (r := summary.get(stage))]
     lines += [f"{summary['steps']} steps, {summary['pairs']} pairs, loss {summary['loss_first']:.3f} -> "
               f"{summary['loss_last']:.3f}, training {summary['train_s']:.0f}s, all {summary['wall_s']:.0f}s",
               f"model: {summary['model']}"]

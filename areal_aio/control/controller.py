@@ -453,13 +453,16 @@ class Orchestrator:
         samples = [s for g in batch for s in g.samples]
         stale = [staleness(self.version, s.oldest_version) for s in samples]
         fresh = lambda c: not is_stale(self.version, c.oldest_version, self.eta)  # noqa: E731
-        train_samples = [wire.TrainSample(c.prompt_ids, c.completion_ids, c.logprobs, c.versions,
-                                          s.score.reward, s.group_id, mask)
-                         for s in samples for c, mask in episodes.sequences(s.completion, s.loss_mask, s.model, fresh)]
+        seqs = [(s, q, staleness(self.version, q.completion.oldest_version if q.completion.versions
+                                 else s.oldest_version))
+                for s in samples for q in episodes.sequences(s.completion, s.loss_mask, s.model, fresh)]
+        train_samples = [wire.TrainSample(q.completion.prompt_ids, q.completion.completion_ids, q.completion.logprobs,
+                                          q.completion.versions, s.score.reward, s.group_id, q.mask)
+                         for s, q, _ in seqs]
         step = self.step + 1
         # committed by the link (self._commit) before it returns; a stop keeps it in flight
         trained = await self.link.train(wire.Train(step, self.version, train_samples),
-                                        (step, samples, stale, wait_s, time.perf_counter()))
+                                        (step, samples, seqs, stale, wait_s, time.perf_counter()))
         if diverged := self.counts.diverged(self.step):
             raise diverged  # the run fails; the trainer's weights are the last finite ones
         await self.rollout.send(wire.UpdateWeights(self.version, trained.path))
@@ -468,8 +471,9 @@ class Orchestrator:
 
     def _commit(self, record: tuple, trained: wire.Trained) -> None:
         """Advance the clock to a Trained version and record its step (the rollout workers are
-        told by the train loop, after this); `record` is (step, samples, stale, wait_s, t0)."""
-        step, samples, stale, wait_s, t0 = record
+        told by the train loop, after this); `record` is (step, samples, their trained sequences
+        as (sample, episodes.Sequence, its staleness), stale, wait_s, t0)."""
+        step, samples, seqs, stale, wait_s, t0 = record
         train_s = time.perf_counter() - t0
         if trained.version != self.version + 1:
             raise WorkerFailed("trainer", f"reported version {trained.version} after {self.version}")
@@ -479,11 +483,10 @@ class Orchestrator:
         wall = time.perf_counter() - self._t0
         self._commit_wall[self.version] = wall
         self.keeper.retain()
-        self.counts.trained(sum(s.trained_tokens for s in samples), stale)
+        self.counts.trained(sum(stats.trained_tokens(q.completion, q.mask) for _, q, _ in seqs), stale, len(seqs))
         self.counts.stepped(trained)
         self._max_trained_staleness = max(self._max_trained_staleness, *stale)
-        self.log.rows("samples", (stats.sample_row(s, staleness=st, step=self.step)
-                                  for s, st in zip(samples, stale, strict=True)))
+        self.log.rows("samples", (stats.sample_row(s, staleness=st, step=self.step, sequence=q) for s, q, st in seqs))
         row = stats.step_row(self.step, self.version, wall, train_s, wait_s, samples, stale, self.counts,
                              trained, replay_groups=len(self.replay), in_flight=len(self.groups.requests))
         if self._process.enabled:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from areal_aio import wire
 from areal_aio.control import endpoint
@@ -19,7 +20,7 @@ from areal_aio.settings import Settings, SettingsError
 from areal_aio.tasks.episode import Bounds, Episode, Model, ReplyRequest
 from areal_aio.tasks.task import Task
 
-__all__ = ["CALCULATOR", "KEY", "Bounds", "Episode", "Model", "NoReply", "ReplyRequest", "episode_spec",
+__all__ = ["CALCULATOR", "KEY", "Bounds", "Episode", "Model", "NoReply", "ReplyRequest", "Sequence", "episode_spec",
            "load_episode", "name_of", "no_reply", "play", "sequences", "why_failed"]
 
 KEY = "task.episode"
@@ -65,6 +66,7 @@ async def play(episode: Episode, task: Task, model: Model, timeout_s: float) -> 
         async with asyncio.timeout(timeout_s) as model.clock:  # stopped during replies (Model.reply)
             with endpoint.served(model):  # its base URL, while it plays (endpoint.enabled)
                 result = await episode(task, model)
+        model.abandon()  # a sequence begun and never answered: the one before it is the last again
         if model.transcript.last is None:
             raise NoReply("ended without a reply (none in its last sequence: it never awaited model.reply())")
         return (None if result is None else as_score(result)), None
@@ -81,15 +83,30 @@ def no_reply(request_id: str, prompt_ids: list[int] | None = None) -> wire.Compl
                            logprobs=[], versions=[], text="", finish="abort", interrupts=0, gen_s=0.0)
 
 
+@dataclass(frozen=True, slots=True)
+class Sequence:
+    """One sequence a sample trains: its place among its episode's sequences (`index` of `of`;
+    0 of 1 for a one-reply sample), its whole completion, loss mask and turns' record."""
+
+    index: int
+    of: int
+    completion: wire.Completion
+    mask: list[int] | None
+    turns: list[dict] | None
+
+
 def sequences(completion: wire.Completion, mask: list[int] | None, model: Model | None,
-              fresh: Callable[[wire.Completion], bool]) -> list[tuple[wire.Completion, list[int] | None]]:
-    """What a sample trains: its (completion, loss mask), after those of the sequences its
-    episode left when a call through the endpoint rewrote its history (Model.earlier), each its
-    own sample with the episode's reward and group: GRPO's mean and std are then over the
-    group's sequences, so an episode that branched k times counts k times in them. An earlier
-    sequence whose oldest token is not `fresh` (staleness past eta now) is left out."""
-    earlier = [] if model is None else [(t.completion(), t.mask) for t in model.earlier]
-    return [*((c, m) for c, m in earlier if fresh(c)), (completion, mask)]
+              fresh: Callable[[wire.Completion], bool]) -> list[Sequence]:
+    """What a sample trains: its own sequence, after those its episode left when a call through
+    the endpoint rewrote its history (Model.earlier), each its own sample with the episode's
+    reward and group: GRPO's mean and std are then over the group's sequences, so an episode
+    that branched k times counts k times in them. An earlier sequence whose oldest token is not
+    `fresh` (staleness past eta now) is left out."""
+    if model is None:
+        return [Sequence(0, 1, completion, mask, None)]
+    n = len(model.earlier) + 1
+    earlier = [Sequence(k, n, t.completion(), t.mask, t.turns) for k, t in enumerate(model.earlier)]
+    return [*(q for q in earlier if fresh(q.completion)), Sequence(n - 1, n, completion, mask, model.transcript.turns)]
 
 
 def name_of(episode: Episode) -> str:

@@ -45,8 +45,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from areal_aio import wire
-from areal_aio.control import episodes
+from areal_aio.control import endpoint, episodes
 from areal_aio.control.sources import eval_tasks
+from areal_aio.control.stats import Counts
 from areal_aio.fleet.client import PipeWorker, WorkerClient
 from areal_aio.fleet.rollout_pool import RolloutPool
 from areal_aio.rewards.scoring import (
@@ -62,7 +63,6 @@ from areal_aio.tasks.task import Task
 if TYPE_CHECKING:
     from areal_aio.control.keeping import Keeper
     from areal_aio.control.runlog import RunLog
-    from areal_aio.control.stats import Counts
 
 EVAL_AT_STOP_TIMEOUT_S = 60.0
 """How long an interrupted run waits for the evals it had in flight (training rollouts aborted,
@@ -93,7 +93,11 @@ class EpisodeEval:
     completions: list[wire.Completion]
     scores: list[Score]
     turns: list[list[dict[str, Any]]]  # each episode's record (episodes.Transcript.turns)
-    failures: int  # episodes that raised, timed out, passed a bound or never replied (scored 0)
+    failed: list[bool]  # each episode raised, timed out, passed a bound or never replied (scored 0)
+
+    @property
+    def failures(self) -> int:
+        return sum(self.failed)
 
 
 async def run_episodes(episode: episodes.Episode, eval_set: list[Task], step: int, settings: Settings,
@@ -119,8 +123,7 @@ async def run_episodes(episode: episodes.Episode, eval_set: list[Task], step: in
         return completion, score, model.transcript.turns, failure is not None
 
     done = await asyncio.gather(*(one(i, task) for i, task in enumerate(eval_set)))
-    return EpisodeEval([d[0] for d in done], [d[1] for d in done], [d[2] for d in done],
-                       sum(d[3] for d in done))
+    return EpisodeEval([d[0] for d in done], [d[1] for d in done], [d[2] for d in done], [d[3] for d in done])
 
 
 def rates(scores: list[Score]) -> dict[str, float]:
@@ -491,10 +494,12 @@ async def greedy_completions(settings: Settings, tasks: list[Task], log: Path,
 async def greedy_episodes(settings: Settings, tasks: list[Task], log: Path, episode: episodes.Episode,
                           scorer: Scorer, rollout: WorkerClient | None = None) -> EpisodeEval:
     """settings.model.path's greedy episodes on `tasks` (run_episodes), from a rollout client of
-    its own (rollout_session)."""
+    its own (rollout_session), the endpoint served as a run serves it (endpoint.serving: an
+    agent written against the OpenAI API plays here as in training)."""
     evals = Evals()
 
-    async with rollout_session(settings, log, rollout) as worker:
+    async with (rollout_session(settings, log, rollout) as worker,
+                endpoint.serving(settings.endpoint, True, Counts())):
 
         async def ask(msg: wire.Generate) -> wire.Completion:
             answer = evals.expect(msg.request_id)

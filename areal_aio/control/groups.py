@@ -97,11 +97,6 @@ class Sample:
     def turns(self) -> list[dict] | None:
         return self.model.transcript.turns if self.model is not None else None
 
-    @property
-    def trained_tokens(self) -> int:
-        mask = self.loss_mask
-        return len(self.completion.completion_ids) if mask is None else sum(mask)
-
 
 @dataclass(slots=True)
 class PendingGroup:

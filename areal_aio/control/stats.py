@@ -11,7 +11,8 @@ changes it and every row one place that builds it:
     Counts.dropped     rollouts given up                   dropped_stale, dropped_interrupt, dropped_episode,
                                                            skipped_uniform
     (episode_failures: an episode that raised or passed a bound, scored 0)
-    Counts.trained     a batch committed                  accepted, trained_tokens, staleness_hist
+    Counts.trained     a batch committed                  accepted, sequences_trained, trained_tokens,
+                                                           staleness_hist
     Counts.stepped     a step committed                   steps_skipped, skipped_in_a_row
     Counts.answered    the endpoint answered a call       endpoint_calls, endpoint_errors (by status)
     (admitted, restarts, eval_tokens, lost_in_flight: one line each where they happen)
@@ -58,6 +59,7 @@ class Counts:
     dropped_interrupt: int = 0
     interrupts: int = 0
     restarts: int = 0
+    sequences_trained: int = 0  # trained sequences: samples_accepted, plus the earlier sequences of episodes
     reward_failures: int = 0
     gen_tokens: int = 0
     eval_tokens: int = 0
@@ -99,9 +101,11 @@ class Counts:
         else:
             self.dropped_interrupt += n
 
-    def trained(self, tokens: int, stale: list[int]) -> None:
-        """A committed batch: `stale` holds each sample's staleness."""
+    def trained(self, tokens: int, stale: list[int], sequences: int) -> None:
+        """A committed batch: `stale` holds each sample's staleness, `sequences` counts what it
+        trained (an episode that rewrote its history trains one sequence of each version)."""
         self.accepted += len(stale)
+        self.sequences_trained += sequences
         self.trained_tokens += tokens
         self.staleness_hist.update(stale)
 
@@ -155,12 +159,21 @@ def worker_rows(shares: Sequence[WorkerShare], busy_s: Sequence[float], wall: fl
             for i, (w, b) in enumerate(zip(shares, busy_s, strict=True))]
 
 
+def trained_tokens(c: wire.Completion, mask: list[int] | None) -> int:
+    """The tokens of a sequence its loss trains (an episode's turns are masked out)."""
+    return len(c.completion_ids) if mask is None else sum(mask)
+
+
 def sample_row(s: Any, *, staleness: int | None = None, step: int | None = None,
-               dropped: str | None = None) -> dict[str, Any]:
-    """The samples.jsonl row of a training sample (groups.Sample), trained or dropped."""
-    c = s.completion
+               dropped: str | None = None, sequence: Any = None) -> dict[str, Any]:
+    """The samples.jsonl row of a training sample (groups.Sample), trained or dropped; a trained
+    episode has one row per sequence it trained (`sequence`: an episodes.Sequence; its place
+    among the episode's sequences in `sequence` and `sequences`, `request_id` the episode's)."""
+    c = s.completion if sequence is None else sequence.completion
+    turns = getattr(s, "turns", None) if sequence is None else sequence.turns
+    place = {"sequence": sequence.index, "sequences": sequence.of} if sequence is not None and s.model else {}
     return {
-        "kind": "train", "request_id": s.request_id, "group": s.group_id, "task_id": s.task.id,
+        "kind": "train", "request_id": s.request_id, **place, "group": s.group_id, "task_id": s.task.id,
         "prompt": s.task.prompt, "answer": s.task.answer, "reply": c.text if c else None,
         "reward": s.score.reward if s.score else None, "pass": s.score.passed if s.score else None,
         "strict": s.score.strict if s.score else None,
@@ -170,7 +183,7 @@ def sample_row(s: Any, *, staleness: int | None = None, step: int | None = None,
         "staleness": staleness, "interrupts": c.interrupts if c else None, "retries": s.retries,
         "dropped": dropped, "step": step, "tokens": len(c.completion_ids) if c else 0,
         **({"process": s.process} if s.process is not None else {}),
-        **({"turns": s.turns} if getattr(s, "turns", None) else {})}
+        **({"turns": turns} if turns else {})}
 
 
 UNIFORM_EPS = 1e-9
@@ -231,6 +244,7 @@ def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, 
         "interrupt": s.rollout.interrupt, "seed": s.run.seed, "model": s.model.path,
         **cold_start, "wall_s": round(wall, 3), "steps": steps, "final_version": version,
         "samples_admitted": c.admitted, "samples_generated": c.generated, "samples_accepted": c.accepted,
+        "sequences_trained": c.sequences_trained,
         "samples_dropped_stale": c.dropped_stale, "samples_dropped_interrupt": c.dropped_interrupt,
         "samples_unused": unused, "interrupts": c.interrupts, "restarts": c.restarts,
         "reward_failures": c.reward_failures, "episode_failures": c.episode_failures,

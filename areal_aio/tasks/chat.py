@@ -32,6 +32,7 @@ log-prob of each token as "token_id:<id>" (no tokenizer here; top_logprobs > 0 i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -285,18 +286,23 @@ class Conversation:
         """The chat.completion body for `request`, after its reply. ChatError for a call the
         episode's bounds refuse (400: context_length_exceeded, or episode_limit past its replies)."""
         model = self.model
+        before = None  # a new sequence's call: the conversation it leaves, put back if it gets no reply
         if self._history is not None and request.tools == self._tools and extends(self._history, request.messages):
             for m in request.messages[len(self._history):]:
                 model.add_turn(m.role, m.text())
         else:  # start leaves the sequence _history names: none to extend until this reply comes
-            self._history = None  # (a call whose reply fails or is cancelled leaves none)
+            before, self._history = (self._history, self.known, self._tools), None
             model.start(chat_of(request))
             self.sequences += 1
         try:
             text = await model.reply(max_new_tokens=request.max_tokens, stop=list(request.stop) or None)
         except EpisodeLimit as exc:
+            self._abandon(before)
             code = "episode_limit" if model.replies_left <= 0 else "context_length_exceeded"
             raise ChatError(400, str(exc), param="messages", code=code) from None
+        except asyncio.CancelledError:  # the client went away: its reply was aborted
+            self._abandon(before)
+            raise
         seq = model.transcript
         last = seq.last
         self.calls += 1
@@ -319,6 +325,14 @@ class Conversation:
                              "logprobs": logprobs}],
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(last.completion_ids),
                           "total_tokens": prompt_tokens + len(last.completion_ids)}}
+
+    def _abandon(self, before: tuple | None) -> None:
+        """A new sequence's call that got no reply: the sequence before it is current again,
+        and later calls may extend it as before (`before`: None for a call that extended)."""
+        if before is not None:
+            self.model.abandon()
+            self._history, self.known, self._tools = before
+            self.sequences -= 1
 
     def _answer(self, text: str, finish: str, request: ChatRequest) -> tuple[str | None, list, str]:
         """(content, tool_calls, finish_reason) of a reply: a stop string cut off its end (the

@@ -247,6 +247,13 @@ class Model:
         self.transcript, self._pending = Transcript(), []
         self._chat = [{"role": m["role"], "content": m["content"]} for m in messages]
 
+    def abandon(self) -> None:
+        """The sequence `start` began got no reply (its call refused, or its client gone): it is
+        dropped, and the sequence before it, if any, is the current one again (its turns added
+        since dropped), still trained with the episode's reward."""
+        if self.transcript.last is None and self.earlier:
+            self.transcript, self._pending, self._chat = self.earlier.pop(), [], None
+
     @property
     def replies_left(self) -> int:
         """Replies the episode may still ask for (task.episode_turns)."""

@@ -161,3 +161,33 @@ def test_eval_of_an_hf_folder_leaves_nothing_in_the_current_folder(tmp_path):
     assert {"eval.json", "eval-rollout.log"} <= {p.name for p in folder.iterdir()}
     assert done.stdout.splitlines()[-1].startswith(f"wrote {folder.relative_to(tmp_path) / 'eval.json'}")
     assert orjson.loads((folder / "eval.json").read_bytes())["n"] == 2
+
+
+@pytest.mark.parametrize("failed", [4, 1])
+def test_an_agent_eval_whose_episodes_failed_says_so_and_shows_no_score_for_none(here, capsys, monkeypatch, failed):
+    async def evaluate_model(settings, out_file):
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        result = {"model": settings.model.path, "pass_rate": 0.0, "strict_rate": 0.0, "reward_mean": 0.0, "n": 4,
+                  "episode": "areal_aio.tasks.calculator_openai:episode", "episode_failures": failed}
+        out_file.write_bytes(orjson.dumps(result))
+        return result
+
+    monkeypatch.setattr(evaluation, "evaluate_model", evaluate_model)
+    code = main(["eval", "embedded:tiny-random", "--out", "e.json"])
+    out = capsys.readouterr().out
+    if failed == 4:
+        assert code == 1 and out.splitlines()[-1].endswith("all 4 episodes failed (each scored 0; their turns are "
+                                                           "in eval.json): no score")
+        assert "pass 0.000" not in out  # no score where there is none
+    else:
+        assert code == 0 and "(4 held-out prompts; 1 of 4 episodes failed, scored 0)" in out
+
+
+def test_sft_eval_lines_count_failed_episodes_and_show_no_score_for_none():
+    from areal_aio.app.sft import eval_line
+
+    rates = {"valid_rate": 0.0, "pass_rate": 0.0, "strict_rate": 0.0, "n": 8}
+    assert eval_line("before", {**rates, "episode_failures": 8}).endswith("all 8 episodes failed (each scored 0; "
+                                                                          "samples.jsonl has their turns): no score")
+    assert "8 held-out prompts; 3 episodes failed, scored 0" in eval_line("after", {**rates, "episode_failures": 3})
+    assert eval_line("after", rates).endswith("(8 held-out prompts)")

@@ -273,10 +273,10 @@ async def same_through_model_reply(task: Task, model: Model) -> None:
         text = await model.reply()
 
 
-async def trained(tmp_path, episode, policy=tool_call_policy) -> tuple[dict, list[wire.TrainSample]]:
+async def trained(tmp_path, episode, policy=tool_call_policy, **sets) -> tuple[dict, list[wire.TrainSample]]:
     """A 2-step sync run of `episode` on the fake workers: its summary and every trained sample."""
     trainer = FakeTrainer()
-    settings = make_settings("sync", **{"run.max_steps": 2, "task.eval_every": 100})
+    settings = make_settings("sync", **{"run.max_steps": 2, "task.eval_every": 100, **sets})
     orch = orchestrator(tmp_path, settings, FakeRollout(policy=policy, continuation=answer_tool_value,
                                                         tokens=6), trainer, episode=episode)
     summary = await orch.run()
@@ -313,6 +313,41 @@ async def test_an_agent_that_rewrites_its_history_trains_each_sequence(tmp_path)
     per_step = settings.trainer.batch_size * 2  # each episode trains two samples
     assert len(samples) == 2 * per_step and all(s.reward == 1.0 for s in samples)
     assert {len(s.loss_mask) for s in samples} == {6} and all(sum(s.loss_mask) == 6 for s in samples)
+    # every trained sequence is a row of its own, placed in its episode, and counted
+    rows = [r for r in train_rows(tmp_path) if r.get("step")]
+    assert len(rows) == len(samples) == summary["sequences_trained"] == 2 * summary["samples_accepted"]
+    by_episode: dict[str, list[int]] = {}
+    for r in rows:
+        by_episode.setdefault(r["request_id"], []).append(r["sequence"])
+        assert r["sequences"] == 2 and r["reward"] == 1.0 and r["tokens"] == 6
+    assert all(sorted(v) == [0, 1] for v in by_episode.values())
+
+
+def train_rows(tmp_path) -> list[dict]:
+    path = tmp_path / "run" / "samples.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "train"]
+
+
+async def test_a_new_sequence_refused_keeps_the_earlier_one_and_the_reward(tmp_path):
+    """A call that starts a new sequence past task.episode_turns is refused (400 episode_limit):
+    the sequence before it trains, with the episode's reward; the episode does not fail."""
+
+    async def refused_second(task: Task, model: Model) -> float:
+        async with model.openai(max_retries=0) as c:
+            first = [{"role": "user", "content": task.text}]
+            await c.chat.completions.create(model=model.model_name, messages=first)
+            with pytest.raises(openai.BadRequestError) as err:
+                await c.chat.completions.create(model=model.model_name, messages=[
+                    {"role": "system", "content": "Again."}, *first])
+            assert err.value.code == "episode_limit"
+        return 1.0
+
+    summary, samples = await trained(tmp_path, refused_second, **{"task.episode_turns": 1})
+    assert summary["episode_failures"] == 0 and summary["samples_dropped_episode"] == 0
+    assert len(samples) == 2 * make_settings("sync").trainer.batch_size  # one sequence an episode
+    assert all(s.reward == 1.0 and sum(s.loss_mask) == 6 for s in samples)
+    assert summary["endpoint_errors"] == {"400": summary["endpoint_calls"]}  # each episode: one answered, one refused
+    assert all(r["sequence"] == 0 and r["sequences"] == 1 for r in train_rows(tmp_path) if r.get("step"))
 
 
 async def test_the_summary_counts_the_endpoints_answers_by_status(tmp_path):
@@ -377,3 +412,19 @@ async def test_openai_episodes_train_on_the_real_workers(tmp_path, episode):
         for r in trained:
             assert [(t["role"], t["trained"]) for t in r["turns"]] == [("assistant", True), ("tool", False),
                                                                       ("assistant", True)]
+
+
+async def test_eval_and_sft_play_an_openai_agent_through_the_endpoint(tmp_path, monkeypatch):
+    """The greedy episodes of `eval` and `sft` serve the endpoint as a run does: the openai
+    calculator plays, calls the tool and passes, with no episode failed."""
+    from areal_aio.control.evaluation import greedy_episodes
+    from areal_aio.rewards.scoring import Scorer, load_rewards
+
+    settings = build_settings({}, ["task.name=calculator", "task.episode=areal_aio.tasks.calculator_openai:episode"])
+    tasks = [Task(f"e{i}", f"Calculate {i} + 3.", str(i + 3)) for i in range(3)]
+    scorer = Scorer(load_rewards(settings.task), timeout_s=5.0, procs=0)
+    rollout = FakeRollout(policy=tool_call_policy, continuation=answer_tool_value, tokens=6)
+    played = await greedy_episodes(settings, tasks, tmp_path / "eval.log", calculator_openai.episode, scorer, rollout)
+    assert played.failures == 0 and [s.passed for s in played.scores] == [True] * 3
+    assert all(any(t.get("role") == "tool" for t in turns) for turns in played.turns)  # the tool was called
+    assert endpoint.CURRENT.get() is None  # served for the eval alone

@@ -52,7 +52,7 @@ async def test_a_keeper_writes_model_and_a_checkpoint_from_what_it_is_given(tmp_
 
 def test_the_controllers_part_of_a_checkpoint_comes_back_as_it_was_saved():
     counts = Counts(admitted=16, generated=14, dropped_stale=2)
-    counts.trained(40, [0, 1, 1, 2])
+    counts.trained(40, [0, 1, 1, 2], 5)
     first, second = tasks(2, start=9)
     state = keeping.RunState(
         step=3, version=3, trained=12, consumed=9, next_group=11, wall_s=12.5,

@@ -36,9 +36,10 @@ def test_counts_change_in_one_place_each_and_survive_a_checkpoint():
     c.scored(Score(0.0, False, False, failed=True))
     c.dropped(2, "stale")
     c.dropped(1, "interrupt")
-    c.trained(tokens=3, stale=[1, 0])
+    c.trained(tokens=3, stale=[1, 0], sequences=3)  # an episode of the two trained two sequences
     assert (c.generated, c.gen_tokens, c.interrupts, c.reward_failures, c.reward_sum) == (1, 3, 1, 1, 1.0)
     assert (c.dropped_stale, c.dropped_interrupt, c.accepted, c.trained_tokens) == (2, 1, 2, 3)
+    assert c.sequences_trained == 3
     assert Counts.from_state(*c.state()) == c
 
 
@@ -46,7 +47,7 @@ def test_rows_and_summary_read_the_counts():
     s = Settings()
     samples = [_Sample(1.0, _completion(2, [0, 1])), _Sample(0.0, _completion(2, [1, 1]))]
     c = Counts(admitted=4, gen_tokens=4)
-    c.trained(4, [1, 0])
+    c.trained(4, [1, 0], 2)
     trained = wire.Trained(step=1, version=2, path="", stats={"loss": 0.5, "step": 1})
     row = step_row(1, 2, 2.0, 0.5, 0.1, samples, [1, 0], c, trained, replay_groups=3, in_flight=5)
     assert row["reward_mean"] == 0.5 and row["pass_rate"] == 0.5 and row["staleness_max"] == 1

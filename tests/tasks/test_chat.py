@@ -209,12 +209,13 @@ def test_tool_choice_none_offers_no_tools_and_a_named_one_is_asked_for():
     assert chat_[0]["role"] == "system" and chat_[0]["content"].endswith("Call the function add.")
 
 
-async def test_a_call_that_starts_a_sequence_and_fails_leaves_none_to_extend():
+async def test_a_new_sequence_whose_call_is_abandoned_leaves_the_one_before_to_extend():
     """The agent rewrites its history, that call is cancelled (its client went away), and the
-    agent goes back to extending the first history: the first sequence is kept and trained,
-    and the call starts a sequence of its own instead of adding turns to the empty new one."""
+    agent goes back to extending the first history: the abandoned sequence leaves nothing, the
+    first is the current one again, and the call continues it from its exact ids."""
     conv, policy = conversation("It is", "Again")
     first = await conv.complete(ask(USER))
+    before = conv.model.transcript
     rewrite = asyncio.create_task(conv.complete(ask(USER[1:])))
     policy.hold = asyncio.Event()
     while not policy.held:
@@ -222,11 +223,13 @@ async def test_a_call_that_starts_a_sequence_and_fails_leaves_none_to_extend():
     rewrite.cancel()
     with pytest.raises(asyncio.CancelledError):
         await rewrite
+    assert conv.model.transcript is before and conv.model.sequences == [before] and conv.sequences == 1
     again = USER + [first["choices"][0]["message"], {"role": "user", "content": "Go on."}]
     body = await conv.complete(ask(again))
     assert body["choices"][0]["message"]["content"] == "Again" and conv.model.replies == 2
-    assert policy.asks[-1].context_ids is None and policy.asks[-1].messages == chat.chat_of(ask(again))
-    assert [t.mask for t in conv.model.sequences] == [[1] * 5, [1] * 5]
+    assert policy.asks[-1].context_ids == before.prompt_ids + before.completion_ids[:5]  # continued
+    assert len(conv.model.sequences) == 1 and before.mask[:5] == [1] * 5 and before.mask[-5:] == [1] * 5
+    assert 0 in before.mask  # the user's turn between the replies: context, not trained
 
 
 JUNK = (None, True, 0, -1, 1.5, "", "x", [], [None], [1], {}, {"a": 1}, [{}], {"name": 1}, {"function": "add"},
@@ -286,3 +289,4 @@ def test_the_two_requests_that_answered_500_name_their_field(change, param):
     with pytest.raises(ChatError) as err:
         ChatRequest.parse({"model": "policy", "messages": USER, "tools": TOOLS, **change}, "policy")
     assert err.value.status == 400 and err.value.param == param
+
