@@ -326,8 +326,7 @@ class SftSettings:
     steps: int = opt(20, "Optimizer steps, one per batch of pairs. What the default teaches SmolLM2-135M-Instruct, and in how long: docs/cold-start.md.", ge=1)
     batch_size: int = opt(8, "Prompt/completion pairs per step.", ge=1)
     lr: float = opt(1e-4, "AdamW learning rate, constant (trainer.weight_decay, grad_clip, micro_tokens, bf16, device and threads apply as in a run).", gt=0)
-    temperature: float = opt(1.0, "sft.data = sampled: the sampling temperature of the model's own replies; 0 = greedy (the replies its evals score). 1.0 samples the model as it is, so tuning on the whole of the passing ones moves it toward passing replies without sharpening the rest (lower: sharper replies, a lower entropy before RL).", ge=0)
-    train_on: str = opt("reply", "sft.data = sampled: what of a kept reply is trained. reply: all of it, the model's own words and the tag added (rejection-sampling fine-tuning); added: only what the cold start added (the tagged answer), the model's own words its context, so its answers stay as they were (a reply with nothing added teaches nothing and is not kept).", choices=("reply", "added"))
+    temperature: float = opt(1.0, "sft.data = sampled: the sampling temperature of the model's own replies. 1.0 samples the model as it is, so tuning on the passing ones moves it toward passing replies without sharpening the rest (lower: sharper replies, a lower entropy before RL).", gt=0)
     eval_size: int = opt(64, "Held-out prompts (the first of the task's held-out set) answered greedily before and after tuning, scored for valid step-tagged replies and passes; 0 = no eval.", ge=0)
 
 

@@ -102,15 +102,13 @@ answer) before the generated pairs stop with an error instead of searching on fo
 class Pair:
     """One supervised example: `completion` is the assistant's reply to the user's `prompt`, or
     to an episode's earlier `turns` after it, (role, text) each: a reply ("assistant"), then
-    the tool or user turns the episode added after it, and so on. Only `completion` is trained;
-    the reply is `given` + `completion`.
+    the tool or user turns the episode added after it, and so on. Only `completion` is trained.
     `system` None = model.system_prompt (as the rollout worker uses)."""
 
     prompt: str
     completion: str
     system: str | None = None
     turns: tuple[tuple[str, str], ...] = ()
-    given: str = ""  # the reply's beginning, its context and not trained (a sampled reply added to)
 
 
 # ---------------------------------------------------------------- data
@@ -207,18 +205,6 @@ def kept_reply(task: Task, reply: wire.Completion, score: Score, tag: bool) -> s
     return reply.text
 
 
-def sampled_pair(task: Task, reply: str, kept: str, train_on: str) -> Pair | None:
-    """The pair of a kept reply (kept_reply: `reply` with what was added): all of it trained, or
-    (train_on = added) only what was added, the model's own words its context; None when
-    nothing was added to train."""
-    if train_on == "reply":
-        return Pair(task.text, kept, _system(task))
-    own = reply.rstrip()
-    if kept == reply or not kept.startswith(own):
-        return None
-    return Pair(task.text, kept[len(own):], _system(task), given=own)
-
-
 async def sampled_pairs(settings: Settings, held_out: set[str], need: int,
                         folder: Path) -> tuple[list[Pair], dict[str, Any]]:
     """`need` pairs of the model's own replies (sft.data = sampled): training prompts in stream
@@ -258,17 +244,14 @@ async def sampled_pairs(settings: Settings, held_out: set[str], need: int,
                 for task, reply, got in zip(tasks, replies, scores, strict=True):
                     passed += got.passed
                     cut += reply.finish == "length"
-                    text = kept_reply(task, reply, got, tag)
-                    pair = None if text is None else sampled_pair(task, reply.text, text, cfg.train_on)
-                    if pair is not None and len(pairs) < need:
+                    if (text := kept_reply(task, reply, got, tag)) is not None and len(pairs) < need:
                         tagged += text != reply.text
-                        pairs.append(pair)
+                        pairs.append(Pair(task.text, text, _system(task)))
     finally:
         await scorer.aclose()
     return pairs, {"prompts": drawn, "passed": passed, "pass_rate": round(passed / max(drawn, 1), 4),
                    "cut_at_max_new_tokens": cut, "kept": len(pairs), "tags_added": tagged,
-                   "temperature": cfg.temperature, "train_on": cfg.train_on,
-                   "seconds": round(time.perf_counter() - t0, 3)}
+                   "temperature": cfg.temperature, "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def _system(task: Task) -> str | None:
@@ -317,9 +300,6 @@ def tokenize(tokenizer: Any, pair: Pair, system_prompt: str = "") -> tuple[list[
     this reply, the completion as the chat template writes the assistant's turn, up to and
     including the token that ends it (EOS, where generation stops).
 
-    A pair with `given` words: the ids of the whole reply, those it shares with the given words
-    alone (up to where the two part) joined to the prompt ids, the rest the completion.
-
     The prompt is templated as for a first reply (encode_prompt). Each earlier reply then joins
     it as an episode's context holds it: its ids as a completion here, without the EOS (a reply
     cut at a stop string, such as the calculator's </calc>, has none), then the turns after it
@@ -327,12 +307,6 @@ def tokenize(tokenizer: Any, pair: Pair, system_prompt: str = "") -> tuple[list[
     begin with the template's end of turn: where a reply ended with EOS, the same ids)."""
     from areal_aio.workers.models import encode_prompt, encode_turns
 
-    if pair.given:  # the whole reply tokenized as one; its first ids, the given words', join the prompt
-        prompt, reply = tokenize(tokenizer, dataclasses.replace(pair, completion=pair.given + pair.completion, given=""),
-                                 system_prompt)
-        _, own = tokenize(tokenizer, dataclasses.replace(pair, completion=pair.given, given=""), system_prompt)
-        k = next((i for i, (a, b) in enumerate(zip(own[:-1], reply, strict=False)) if a != b), len(own) - 1)
-        return prompt + reply[:k], reply[k:]
     system = system_prompt if pair.system is None else pair.system
     chat = [{"role": "system", "content": system}] if system else []
     chat.append({"role": "user", "content": pair.prompt})
