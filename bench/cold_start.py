@@ -6,10 +6,9 @@
 
 Each cell is one `python -m areal_aio run` process (the command itself, so the cold start runs
 exactly as a user's does), the cells strictly one after another: arm `cold` with
-`sft.before_run=on` (the task's reference replies), arm `sampled` the same on the model's own
-passing replies (`sft.data=sampled`, whole replies sampled at sft.temperature 1.0), arm `own`
-on its greedy passing replies with only the added tag trained (`sft.temperature=0`,
-`sft.train_on=added`), arm `plain` with `sft.before_run=off`; the seed is run.seed, the threshold
+`sft.before_run=on` (the task's reference replies, sft.steps of them), arm `cold4` the same for
+4 steps, arm `sampled` on the model's own passing replies (`sft.data=sampled`), arm `plain` with
+`sft.before_run=off`; the seed is run.seed, the threshold
 run.threshold (the run stops at the first eval at or above it), --max-wall-s run.max_wall_s.
 
 Per cell: the cold start's wall time (sft/sft.json `wall_s`: the trainer worker's start, the
@@ -52,7 +51,7 @@ from bench.common import (  # noqa: E402
 )
 
 ARMS = {"cold": ("sft.before_run=on",), "sampled": ("sft.before_run=on", "sft.data=sampled"),
-        "own": ("sft.before_run=on", "sft.data=sampled", "sft.temperature=0", "sft.train_on=added"),
+        "cold4": ("sft.before_run=on", "sft.steps=4"),
         "plain": ("sft.before_run=off",)}
 QUICK = (*TINY_BATCH, "run.max_steps=4", "sft.steps=2", "sft.batch_size=4", "trainer.bf16=off")
 
