@@ -5,10 +5,10 @@
         [--report-at 0.8,0.85] [--max-wall-s 1800] [--set K=V ...] [--out DIR] [--quick] [--report-only]
 
 Each cell is one `python -m areal_aio run` process (the command itself, so the cold start runs
-exactly as a user's does), the cells strictly one after another: arm `cold` with
-`sft.before_run=on` (the task's reference replies, sft.steps of them), arm `cold4` the same for
-4 steps, arm `sampled` on the model's own passing replies (`sft.data=sampled`), arm `plain` with
-`sft.before_run=off`; the seed is run.seed, the threshold
+exactly as a user's does), the cells strictly one after another: arm `cold`, 20 steps on the
+task's reference replies (`sft.data=generated`), arm `cold4` the same for 4 steps, arms `sampled`
+and `sampled4`, 20 and 4 steps on the model's own passing replies (`sft.data=sampled`), arm
+`plain` with `sft.before_run=off`; the seed is run.seed, the threshold
 run.threshold (the run stops at the first eval at or above it), --max-wall-s run.max_wall_s.
 
 Per cell: the cold start's wall time (sft/sft.json `wall_s`: the trainer worker's start, the
@@ -50,9 +50,12 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 
-ARMS = {"cold": ("sft.before_run=on",), "sampled": ("sft.before_run=on", "sft.data=sampled"),
-        "cold4": ("sft.before_run=on", "sft.steps=4"),
+ARMS = {"cold": ("sft.before_run=on", "sft.data=generated", "sft.steps=20"),
+        "cold4": ("sft.before_run=on", "sft.data=generated", "sft.steps=4"),
+        "sampled": ("sft.before_run=on", "sft.data=sampled", "sft.steps=20"),
+        "sampled4": ("sft.before_run=on", "sft.data=sampled", "sft.steps=4"),
         "plain": ("sft.before_run=off",)}
+"""Each arm's cold start, pinned whatever sft.data and sft.steps default to."""
 QUICK = (*TINY_BATCH, "run.max_steps=4", "sft.steps=2", "sft.batch_size=4", "trainer.bf16=off")
 
 
