@@ -395,8 +395,8 @@ async def test_an_episode_returning_a_huge_reward_scores_zero_as_a_failure():
     async def sane(task, model):
         return 1.0
 
-    # what play reads of a Model: a transcript whose last reply is in (no NoReply)
-    model = SimpleNamespace(transcript=Transcript(last=episodes.no_reply("g0.0.r0")))
+    # what play reads of a Model: a transcript whose last reply is in (no NoReply), nothing to abandon
+    model = SimpleNamespace(transcript=Transcript(last=episodes.no_reply("g0.0.r0")), abandon=lambda: None)
     assert await episodes.play(sane, T, model, timeout_s=5) == (Score(1.0, True), None)  # the fake is enough
     score, failure = await episodes.play(episode, T, model, timeout_s=5)
     assert score.failed and score.reward == 0.0 and failure is not None
