@@ -45,6 +45,9 @@ async def test_the_smolagents_calculator_trains_on_the_real_workers(tmp_path):
     assert set(summary["endpoint_errors"]) <= {"410"}  # agents whose episodes the run's end cancelled
     assert summary["endpoint_calls"] >= (calculator_smolagents.MAX_STEPS + 1) * 8
     trained_rows = [r for r in rows(tmp_path / "run") if r["dropped"] is None and r["step"] is not None]
-    assert len(trained_rows) == 8
+    assert len({r["request_id"] for r in trained_rows}) == 8  # the episodes trained
+    assert len(trained_rows) == summary["sequences_trained"] > 8  # a row per sequence each trained
+    assert all(0 <= r["sequence"] < r["sequences"] for r in trained_rows)
     for r in trained_rows:  # the last sequence of each episode: the final answer's call alone
-        assert [(t["role"], t["trained"]) for t in r["turns"]] == [("assistant", True)]
+        if r["sequence"] == r["sequences"] - 1:
+            assert [(t["role"], t["trained"]) for t in r["turns"]] == [("assistant", True)]
