@@ -36,6 +36,7 @@ import json
 import math
 import re
 import textwrap
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -435,10 +436,22 @@ def extract_program(completion: str) -> tuple[str, bool]:
     return chosen[-1], True
 
 
+_PARSING = threading.Lock()
+"""ast.parse from several threads at once can fail in CPython 3.11 ("AST constructor recursion
+depth mismatch": the conversion's depth counter is the interpreter's, not the thread's), and
+code items are made and judged in threads: every parse here takes this lock."""
+
+
+def parse(source: str, mode: str = "exec") -> ast.AST:
+    """ast.parse, one thread at a time (_PARSING)."""
+    with _PARSING:
+        return ast.parse(source, mode=mode)
+
+
 def defines(program: str, name: str) -> bool:
     """Whether the program has a `def name(` (at any depth; a program that does not parse: no)."""
     try:
-        tree = ast.parse(program)
+        tree = parse(program)
     except (SyntaxError, ValueError, RecursionError, MemoryError):  # the model's text: anything
         return False
     return any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name for n in ast.walk(tree))
@@ -456,7 +469,7 @@ def assemble(prefix: str, code: str, entry_point: str | None) -> str:
 def check_source(tests: str, entry_point: str | None) -> tuple[str, str]:
     """(the tests as a `check(param)` module, param): a test module with its own check, or bare
     asserts calling entry_point wrapped into one."""
-    tree = ast.parse(tests)
+    tree = parse(tests)
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name == "check" and node.args.args:
             return tests, node.args.args[0].arg

@@ -172,7 +172,7 @@ def split(held_out: bool) -> list[int]:
 def _signature(code: str) -> str | None:
     """`main_solution(a, b)` as the reference defines it; None when it defines none."""
     try:
-        tree = ast.parse(code)
+        tree = judge.parse(code)
     except SyntaxError:
         return None
     for node in tree.body:
@@ -184,7 +184,7 @@ def _signature(code: str) -> str | None:
 def problem_packages(program: str) -> list[str]:
     """The packages (CODEIO_PACKAGES) a reference program imports, with theirs, installed ones only."""
     try:
-        tree = ast.parse(program)
+        tree = judge.parse(program)
     except SyntaxError:
         return []
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

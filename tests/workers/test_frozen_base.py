@@ -140,7 +140,8 @@ def test_an_int8_base_keeps_no_view_of_the_loaded_weights() -> None:
     for dtype, shared in (("int8", False), ("bfloat16", True)):
         model, _ = load_model(TINY, seed=SEED, dtype="bfloat16")
         lora.attach(model, settings(*LORA).lora, TINY)
-        loaded = {p.untyped_storage().data_ptr() for p in model.parameters() if not p.requires_grad}
+        base = [p for p in model.parameters() if not p.requires_grad]  # held: no address of theirs is reused
+        loaded = {p.untyped_storage().data_ptr() for p in base}
         frozen_base.store(model, dtype)
         kept = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
         assert bool(kept & loaded) is shared, dtype
