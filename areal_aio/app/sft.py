@@ -63,7 +63,7 @@ from areal_aio.control.evaluation import (
 from areal_aio.control.keeping import STOP_SAVE_TIMEOUT_S
 from areal_aio.control.progress import say
 from areal_aio.control.sources import eval_tasks, training_tasks
-from areal_aio.rewards.scoring import AnswerReward, Score, Scorer, load_rewards
+from areal_aio.rewards.scoring import Score, Scorer, load_rewards, only_answer_check
 from areal_aio.seeds import derive
 from areal_aio.settings import (
     CODE_TASKS,
@@ -191,8 +191,7 @@ def generated_pairs(settings: Settings) -> Iterator[Pair]:
 def tag_answers(settings: Settings) -> bool:
     """Whether the task's check is the built-in answer reward, whose strict pass is the tagged
     answer: a passing sampled reply then gets the tag it left out (sampled_pairs)."""
-    rewards = load_rewards(settings.task)
-    return all(type(r.fn) is AnswerReward for r in (rewards if isinstance(rewards, list) else [rewards]))
+    return only_answer_check(load_rewards(settings.task))
 
 
 def kept_reply(task: Task, reply: wire.Completion, score: Score, tag: bool) -> str | None:

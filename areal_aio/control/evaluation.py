@@ -51,11 +51,11 @@ from areal_aio.control.stats import Counts
 from areal_aio.fleet.client import PipeWorker, WorkerClient
 from areal_aio.fleet.rollout_pool import RolloutPool
 from areal_aio.rewards.scoring import (
-    AnswerReward,
     Score,
     Scorer,
     component_means,
     load_rewards,
+    only_answer_check,
 )
 from areal_aio.settings import Settings, SettingsError, load_settings, resolved_settings
 from areal_aio.tasks.task import Task
@@ -531,7 +531,7 @@ async def evaluate_model(settings: Settings, out_file: Path) -> dict[str, Any]:
     in an episode run); write `out_file`."""
     eval_set = await asyncio.to_thread(eval_tasks, settings)  # code items: sandbox runs, off the loop
     reward = load_rewards(settings.task)
-    builtin = all(type(r.fn) is AnswerReward for r in (reward if isinstance(reward, list) else [reward]))
+    builtin = only_answer_check(reward)
     scorer = Scorer(reward, timeout_s=settings.controller.reward_timeout_s,
                     procs=0 if builtin else settings.controller.reward_procs,
                     log_path=out_file.with_name("eval-reward.log"))

@@ -607,15 +607,20 @@ def seccomp_filter() -> str | None:
     return _filter
 
 
+def share_per_program() -> int | None:
+    """The bytes of RAM each of CONCURRENCY programs at once may take within MEMORY_SHARE; None
+    where the machine's RAM cannot be read."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * MEMORY_SHARE / CONCURRENCY)
+    except (ValueError, OSError):
+        return None
+
+
 def effective_procs(limits: Limits) -> int:
     """Limits.procs, lowered so that processes x address space of CONCURRENCY programs stays
     within MEMORY_SHARE of RAM (no cgroup bounds a program as a whole)."""
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return limits.procs
-    fits = int(ram * MEMORY_SHARE / CONCURRENCY) // (limits.memory_mb << 20)
-    return max(2, min(limits.procs, fits))
+    share = share_per_program()
+    return limits.procs if share is None else max(2, min(limits.procs, share // (limits.memory_mb << 20)))
 
 
 PROBE = r'''
@@ -792,11 +797,8 @@ def _run(source: str, stdin: bytes, wall_s: float, limits: Limits, lay: Layers, 
 def run_memory(limits: Limits) -> int:
     """The bytes a run's processes may hold together in its cgroup: Limits.memory_mb, lowered so
     that CONCURRENCY runs at once stay within MEMORY_SHARE of RAM."""
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return limits.memory_mb << 20
-    return min(limits.memory_mb << 20, int(ram * MEMORY_SHARE / CONCURRENCY))
+    share = share_per_program()
+    return limits.memory_mb << 20 if share is None else min(limits.memory_mb << 20, share)
 
 
 def _started(source: str, stdin: bytes, wall_s: float, limits: Limits, lay: Layers, driver: str | None,

@@ -324,6 +324,12 @@ def _in_thread(fn: Any, task: Task, completion: str) -> asyncio.Future:
 # ---------------------------------------------------------------- rewards named in settings
 
 
+def only_answer_check(rewards: Reward | list[Reward]) -> bool:
+    """Whether task.reward is the built-in answer check alone (AnswerReward: correctness, and
+    strict = the tagged answer), not a user's function."""
+    return all(type(r.fn) is AnswerReward for r in (rewards if isinstance(rewards, list) else [rewards]))
+
+
 def load_rewards(task: TaskSettings) -> Reward | list[Reward]:
     """The reward(s) task.reward names: one `Reward` for a string, a list for a list. Each
     function is imported and its signature checked; SettingsError naming task.reward if one

@@ -401,3 +401,11 @@ async def test_an_episode_returning_a_huge_reward_scores_zero_as_a_failure():
     score, failure = await episodes.play(episode, T, model, timeout_s=5)
     assert score.failed and score.reward == 0.0 and failure is not None
     assert isinstance(failure, TypeError) and "within" in str(failure), failure  # the range, not another error
+
+
+def test_only_answer_check_tells_the_built_in_check_from_a_users_function():
+    from areal_aio.rewards.scoring import only_answer_check
+
+    builtin = Reward("answer", AnswerReward(0.2), 1.0)
+    assert only_answer_check(builtin) and only_answer_check([builtin, builtin])
+    assert not only_answer_check([builtin, Reward("mine", lambda t, c: 1.0, 1.0)])
