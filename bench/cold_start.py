@@ -7,7 +7,8 @@
 Each cell is one `python -m areal_aio run` process (the command itself, so the cold start runs
 exactly as a user's does), the cells strictly one after another: arm `cold`, 20 steps on the
 task's reference replies (`sft.data=generated`), arm `cold4` the same for 4 steps, arms `sampled`
-and `sampled4`, 20 and 4 steps on the model's own passing replies (`sft.data=sampled`), arm
+and `sampled4`, 20 and 4 steps on the model's own passing replies (`sft.data=sampled`) drawn at
+temperature 1.0, arm `sampled07` 20 steps on replies drawn at 0.7 (the rollouts' own), arm
 `plain` with `sft.before_run=off`; the seed is run.seed, the threshold
 run.threshold (the run stops at the first eval at or above it), --max-wall-s run.max_wall_s.
 
@@ -52,8 +53,9 @@ from bench.common import (  # noqa: E402
 
 ARMS = {"cold": ("sft.before_run=on", "sft.data=generated", "sft.steps=20"),
         "cold4": ("sft.before_run=on", "sft.data=generated", "sft.steps=4"),
-        "sampled": ("sft.before_run=on", "sft.data=sampled", "sft.steps=20"),
-        "sampled4": ("sft.before_run=on", "sft.data=sampled", "sft.steps=4"),
+        "sampled": ("sft.before_run=on", "sft.data=sampled", "sft.steps=20", "sft.temperature=1.0"),
+        "sampled4": ("sft.before_run=on", "sft.data=sampled", "sft.steps=4", "sft.temperature=1.0"),
+        "sampled07": ("sft.before_run=on", "sft.data=sampled", "sft.steps=20", "sft.temperature=0.7"),
         "plain": ("sft.before_run=off",)}
 """Each arm's cold start, pinned whatever sft.data and sft.steps default to."""
 QUICK = (*TINY_BATCH, "run.max_steps=4", "sft.steps=2", "sft.batch_size=4", "trainer.bf16=off")

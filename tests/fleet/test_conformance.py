@@ -196,8 +196,9 @@ async def test_an_episodes_later_reply_continues_from_its_exact_ids(kind, tmp_pa
             check_shape(c, 4)
             assert c.prompt_ids[:len(context)] == context and len(c.prompt_ids) > len(context)
         assert len(e1.prompt_ids) > len(e2.prompt_ids)  # the tool turn's own ids are in e1's
-        assert (e1.prompt_ids, e1.completion_ids, e1.logprobs) == (e1b.prompt_ids, e1b.completion_ids,
-                                                                  e1b.logprobs)
+        # the same ids; log-probs to float noise, as the two may share a batch with other rows or not
+        assert (e1.prompt_ids, e1.completion_ids) == (e1b.prompt_ids, e1b.completion_ids)
+        assert e1.logprobs == pytest.approx(e1b.logprobs, abs=1e-4)
         # max_context: the reply gets what the context leaves, nothing when nothing is left
         await client.send_many([generate("room", "Calculate 6 * 7.", 4, 0.0, context_ids=context, append=tool,
                                          max_context=len(e1.prompt_ids) + 2),
