@@ -28,6 +28,9 @@ TINY = ["model.path=embedded:tiny-random", "sft.before_run=off", "rollout.max_ne
 START_TIMEOUT_S = 120.0
 GONE_TIMEOUT_S = 20.0
 ROLES = {"areal_aio.workers.rollout": "rollout", "areal_aio.workers.trainer": "trainer", "areal_aio.rewards.pool": "reward"}
+"""A process's role by its command line; a worker forked from the zygote shares the zygote's
+command line and is known by its name (/proc/<pid>/comm, workers/common.name_process)."""
+NAMES = {"areal-rollout": "rollout", "areal-trainer": "trainer", "areal-zygote": "zygote"}
 
 
 def descendants(root: int) -> dict[int, str]:
@@ -54,9 +57,10 @@ def descendants(root: int) -> dict[int, str]:
 def role_of(pid: int) -> str:
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
     except (FileNotFoundError, ProcessLookupError):
         return "gone"
-    return next((role for needle, role in ROLES.items() if needle in cmd), cmd)
+    return NAMES.get(name) or next((role for needle, role in ROLES.items() if needle in cmd), cmd)
 
 
 class Run:

@@ -1,7 +1,9 @@
 """What both worker processes share: the pipe, the process rules, the error path.
 
 A worker is started by the controller as `python -m areal_aio.workers.<role>` (a fresh
-interpreter: spawn, never fork after CUDA) with stdin/stdout as its pipe.
+interpreter), or forked from the controller's zygote (workers/zygote.py: an interpreter that
+has imported the workers' modules and touched no device; never a fork after CUDA), with
+stdin/stdout as its pipe.
 
     fd 0 (stdin)  <- frames from the controller, read by a reader thread into a queue
     fd 1 (stdout) -> frames to the controller; at start the original fd 1 is
@@ -34,6 +36,8 @@ from areal_aio import wire
 
 EOF = object()
 """Put on the inbox when the controller's end of the pipe closes."""
+CONTROLLER_ENV = "AREAL_AIO_CONTROLLER_PID"
+"""The controller's pid (areal_aio.fleet.zygote sets it for fresh and forked workers alike)."""
 ORPHAN_WAIT_S = 1.0
 """After an end of pipe without a Shutdown, how long to wait for this process to be reparented:
 a dying controller closes its files before the kernel hands its children to another parent."""
@@ -114,10 +118,21 @@ def configure_torch(device: str, threads: int) -> None:
         torch.cuda.set_device(dev)
 
 
+def name_process(name: str) -> None:
+    """The name `ps -o comm`, top and /proc/<pid>/comm show (15 bytes at most): `areal-rollout`,
+    `areal-trainer`, `areal-zygote`; a forked worker's command line is the zygote's."""
+    try:
+        Path("/proc/self/comm").write_text(name[:15])
+    except OSError:
+        pass  # not Linux, or /proc read-only: the name stays python's
+
+
 def serve(role: str, build: Any) -> int:
     """Process main of a worker: Init -> build(init) -> Ready -> worker.run(channel)."""
+    name_process(f"areal-{role}")
     t0 = time.perf_counter()
-    parent = os.getppid()
+    parent = os.getppid()  # the controller, or the zygote it forked this worker from
+    controller = int(os.environ.get(CONTROLLER_ENV, parent))
     channel = Channel()
     init = None
     try:
@@ -143,7 +158,7 @@ def serve(role: str, build: Any) -> int:
         return 1
     finally:
         if isinstance(init, wire.Init) and channel.closed_without_shutdown:
-            remove_orphaned_store(init.shm_dir, parent)
+            remove_orphaned_store(init.shm_dir, parent, controller)
 
 
 def exit_now(code: int) -> None:
@@ -159,9 +174,10 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def remove_orphaned_store(shm_dir: str, parent: int) -> None:
-    """The run's /dev/shm folder, removed once the controller that owns it is surely gone
-    (this process was reparented) and the folder is its (owner.pid): both workers may try."""
+def remove_orphaned_store(shm_dir: str, parent: int, controller: int) -> None:
+    """The run's /dev/shm folder, removed once the controller that owns it is surely gone (this
+    process was reparented: its parent was the controller, or the zygote, which exits with it)
+    and the folder is the controller's (owner.pid): both workers may try."""
     deadline = time.monotonic() + ORPHAN_WAIT_S
     while os.getppid() == parent:
         if time.monotonic() > deadline:
@@ -172,5 +188,5 @@ def remove_orphaned_store(shm_dir: str, parent: int) -> None:
     except (OSError, ValueError):
         owner = None  # gone: a sweep by the next run is removing the folder, or removed it while
         # this worker was still writing a version into it; finish the job (the name is its own)
-    if owner in (parent, None):
+    if owner in (controller, None):
         shutil.rmtree(shm_dir, ignore_errors=True)

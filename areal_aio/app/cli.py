@@ -38,6 +38,7 @@ import orjson
 from areal_aio.app.preflight import check_eval_file, preflight, sandbox_lines
 from areal_aio.app.runner import close_console, exit_code, run_owned
 from areal_aio.control.progress import say
+from areal_aio.fleet import zygote
 from areal_aio.settings import SettingsError, describe, load_settings
 from areal_aio.store.checkpoint import CheckpointError
 
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _command(args: argparse.Namespace) -> int:
+    if args.command in ("run", "eval", "sft"):
+        zygote.warm()  # the workers' imports, once, beside this command's own start-up
     if args.command == "keys":
         say(describe(), sys.stdout)
         return 0

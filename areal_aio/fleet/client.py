@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from areal_aio import wire
+from areal_aio.fleet import zygote
 
 READY_TIMEOUT_S = 600.0
 """Loading a model (never converting it: that happens before) fits easily in this."""
@@ -89,13 +90,15 @@ class WorkerClient(Protocol):
 
 
 class PipeWorker:
-    """A worker subprocess (`python -m areal_aio.workers.<role>`), spawned fresh (never forked)."""
+    """A worker process: forked from this process's zygote, which has already imported torch
+    (areal_aio.fleet.zygote), or, where there is none, a fresh `python -m areal_aio.workers.<role>`."""
 
-    def __init__(self, role: str, log_path: Path | None = None, threads: int = 1) -> None:
+    def __init__(self, role: str, log_path: Path | None = None, threads: int = 1, fork: bool = True) -> None:
         self.role = role
         self.log_path = log_path
         self.threads = threads
-        self.proc: asyncio.subprocess.Process | None = None
+        self.fork = fork  # False: spawned fresh even where there is a zygote
+        self.proc: asyncio.subprocess.Process | zygote.ForkedProcess | None = None
         self._frames: wire.FrameReader | None = None  # its stdout, one per process
 
     @property
@@ -108,7 +111,7 @@ class PipeWorker:
     async def start(self, init: wire.Init) -> wire.Ready:
         log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 - handed to the child
         try:
-            self.proc = await spawn(self.role, self.threads, log if log else asyncio.subprocess.DEVNULL)
+            self.proc = await spawn(self.role, self.threads, log if log else asyncio.subprocess.DEVNULL, self.fork)
             self._frames = wire.FrameReader(self.proc.stdout)
         finally:
             if log:
@@ -164,18 +167,25 @@ class PipeWorker:
             await stop_process(self.proc)
 
 
-async def spawn(role: str, threads: int, stderr: Any) -> asyncio.subprocess.Process:
-    """`python -m areal_aio.workers.<role>` of this installation, its pipe on stdin/stdout, in a
-    session of its own, `threads` cores."""
-    root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads),
-               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+async def spawn(role: str, threads: int, stderr: Any, fork: bool = True) -> Any:
+    """A `role` worker with `threads` cores, its pipe on stdin/stdout, in a session of its own:
+    forked from the zygote when `fork` and there is one (stderr a file or DEVNULL), else a
+    fresh `python -m areal_aio.workers.<role>` of this installation. Either way an object with
+    asyncio Process's surface (pid, stdin, stdout, returncode, wait, terminate, kill)."""
+    if fork and stderr is not asyncio.subprocess.PIPE and (parent := await asyncio.to_thread(zygote.shared)):
+        fd = os.open(os.devnull, os.O_WRONLY) if stderr is asyncio.subprocess.DEVNULL else os.dup(stderr.fileno())
+        try:
+            return await zygote.ForkedProcess.start(parent, role, threads, fd)
+        except OSError:
+            await asyncio.to_thread(zygote.stop)  # the zygote died: this worker starts fresh, the next a new one
+        finally:
+            os.close(fd)
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", f"areal_aio.workers.{role}", stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=stderr, env=env, start_new_session=True)
+        stdout=asyncio.subprocess.PIPE, stderr=stderr, env=zygote.worker_env(threads), start_new_session=True)
 
 
-async def stop_process(proc: asyncio.subprocess.Process) -> None:
+async def stop_process(proc: asyncio.subprocess.Process | zygote.ForkedProcess) -> None:
     """Ask (Shutdown, then end of pipe), wait SHUTDOWN_TIMEOUT_S, terminate, wait
     KILL_TIMEOUT_S, kill: a worker process that outlives this call does not exist."""
     if proc.returncode is not None:

@@ -107,7 +107,7 @@ class Relay:
         await ensure_model(model)
         if store:
             self.store = WeightStore.create(store)
-        self.proc = await spawn(role, threads, asyncio.subprocess.PIPE)
+        self.proc = await spawn(role, threads, asyncio.subprocess.PIPE, fork=False)
         self.pumps = [asyncio.create_task(self._pump(stream, buf))
                       for stream, buf in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
         return str(self.store.root) if self.store else ""

@@ -13,6 +13,9 @@ import orjson
 import pytest
 
 from areal_aio import wire
+from areal_aio.agents import calculator
+from areal_aio.agents.calculator import calculate
+from areal_aio.agents.model import Bounds, Model
 from areal_aio.app.preflight import PreflightError
 from areal_aio.app.sft import (
     Pair,
@@ -29,10 +32,7 @@ from areal_aio.app.sft import (
 from areal_aio.control.sources import eval_tasks, training_tasks
 from areal_aio.rewards.scoring import AnswerReward, Score
 from areal_aio.settings import build_settings
-from areal_aio.tasks import calculator
 from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION
-from areal_aio.tasks.calculator import calculate
-from areal_aio.tasks.episode import Bounds, Model
 from areal_aio.tasks.steps import STEP_INSTRUCTION, parse
 from areal_aio.tasks.task import Task
 from tests.conftest import ROOT as ROOT
@@ -389,8 +389,14 @@ def test_run_tunes_first_then_trains_rl_from_the_tuned_model(tmp_path):
 
 
 def children(pid: int) -> list[int]:
-    """The processes `pid` started (Linux: /proc/<pid>/task/*/children)."""
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    """The processes below `pid`, its children's too (Linux: /proc/<pid>/task/*/children): the
+    zygote and the workers it forked."""
+    try:
+        found = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                 for c in (task / "children").read_text().split()]
+    except FileNotFoundError:
+        return []  # it ended meanwhile
+    return found + [grandchild for child in found for grandchild in children(child)]
 
 
 @pytest.mark.slow

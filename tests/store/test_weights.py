@@ -279,8 +279,22 @@ def test_an_orphaned_worker_removes_its_store_also_when_a_sweep_took_owner_pid(t
         (folder / "v3.safetensors").write_bytes(b"late")  # written after a sweep removed the rest
         if owner is not None:
             (folder / "owner.pid").write_text(str(owner))
-        remove_orphaned_store(str(folder), dead)
+        remove_orphaned_store(str(folder), dead, dead)
         # gone when owner.pid is missing or names the dead controller; another owner's stays
+        assert folder.exists() == kept, owner
+
+
+def test_a_forked_orphan_removes_its_controllers_store_not_the_zygotes(tmp_path) -> None:
+    """A worker forked from the zygote has the zygote as its parent: once reparented, the folder
+    it removes is the one owner.pid says is the controller's."""
+    from areal_aio.workers.common import remove_orphaned_store
+
+    zygote, controller = 999_999_998, 999_999_999
+    for owner, kept in ((controller, False), (zygote, True)):
+        folder = tmp_path / f"run-{owner}"
+        folder.mkdir()
+        (folder / "owner.pid").write_text(str(owner))
+        remove_orphaned_store(str(folder), zygote, controller)
         assert folder.exists() == kept, owner
 
 
