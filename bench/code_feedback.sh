@@ -22,7 +22,7 @@ MAX_NEW="${MAX_NEW:-384}"
 # shellcheck disable=SC2086
 python -m areal_aio eval "$MODEL" --set task.name=humaneval --set rollout.max_new_tokens="$MAX_NEW" \
     --set controller.reward_timeout_s=15 --set rollout.threads=2 \
-    --set task.episode=areal_aio.rewards.code_feedback:episode --set task.episode_turns="$TURNS" \
+    --set task.episode=areal_aio.agents.code_feedback:episode --set task.episode_turns="$TURNS" \
     --set task.episode_tokens=$((TURNS * (MAX_NEW + 128))) --set task.episode_timeout_s=7200 \
     $EXTRA --out "$OUT/eval.json"
 python - "$OUT" "$TURNS" "$MODEL" "$MAX_NEW" "$COMMAND" <<'PY'

@@ -92,7 +92,7 @@ def code_lines(text: str) -> int:
 def humaneval_shape(evals: dict[str, dict[str, Any] | None], files: dict[str, Path]) -> dict[str, Any]:
     """How long HumanEval's reference solutions are against the replies each model wrote, and
     what each model passed of the problems whose reference is one line."""
-    from areal_aio.rewards.code_tasks import humaneval_rows
+    from areal_aio.tasks.code_tasks import humaneval_rows
 
     lines = {row["task_id"]: code_lines(row["canonical_solution"]) for row in humaneval_rows()}
     one_line = {k for k, n in lines.items() if n == 1}

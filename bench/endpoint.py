@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoint's cost (control/endpoint.py), side by side with model.reply().
+"""The OpenAI-compatible endpoint's cost (agents/endpoint.py), side by side with model.reply().
 
     python bench/endpoint.py [--calls 2000] [--steps 4] [--repeats 3] [--out DIR]
 
@@ -55,12 +55,12 @@ import aiohttp  # noqa: E402
 import openai  # noqa: E402
 
 from areal_aio import wire  # noqa: E402
+from areal_aio.agents.endpoint import Endpoint  # noqa: E402
+from areal_aio.agents.model import Bounds, Model  # noqa: E402
 from areal_aio.control.controller import Orchestrator  # noqa: E402
-from areal_aio.control.endpoint import Endpoint  # noqa: E402
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer, prompt_ids  # noqa: E402
 from areal_aio.settings import EndpointSettings, build_settings  # noqa: E402
 from areal_aio.tasks.arithmetic import arithmetic_prompt  # noqa: E402
-from areal_aio.tasks.episode import Bounds, Model  # noqa: E402
 from areal_aio.tasks.task import Task  # noqa: E402
 from bench.common import print_table, run_loop, write_json  # noqa: E402
 

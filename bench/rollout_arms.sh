@@ -18,7 +18,7 @@
 # Last, bench/rollout_arms_report.py gathers the arms into OUT/rollout_arms.json and a figure: per
 # seed the time and first eval step at each level, the final pass rate, the mean mismatch_kl, the
 # mean staleness, tokens generated per second and both workers' idle shares; per arm the medians
-# over the seeds that reached each level (docs/rollout.md; docs/benchmarks.md).
+# over the seeds that reached each level (docs/rollout.md; docs/benchmarks/time-to-threshold.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # the command line as given (and the knobs below as the environment set them), for the results file

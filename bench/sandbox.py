@@ -1,10 +1,10 @@
-"""Sandbox cost: seconds per program through rewards/sandbox.py against a bare interpreter start.
+"""Sandbox cost: seconds per program through sandbox/sandbox.py against a bare interpreter start.
 
     bare:        subprocess.run([python, "-c", PROGRAM])        (a user's interpreter: its venv, site)
     bare -I -S:  subprocess.run([base python, "-I", "-S", ...])  (the start the sandbox itself makes)
     program:     sandbox.run(PROGRAM)                             (one program, every layer)
-    function:    rewards.code: call tests, one run                (the harness + 3 calls)
-    check:       rewards.code: assert-style test code, one run    (the driver + the serving program)
+    function:    sandbox.programs: call tests, one run            (the harness + 3 calls)
+    check:       sandbox.programs: assert-style test code, one run (the driver + the serving program)
 
 Every arm runs one program at a time on one core (the process and its children pinned to it),
 so the numbers are per core. Arms are interleaved (each repeat in rotated order) so a machine
@@ -16,10 +16,11 @@ of its own), in the same sitting.
     python bench/sandbox.py                         # 7 repeats of 20 programs, as this user
     python bench/sandbox.py --as-user 65534         # ... and as nobody
     python bench/sandbox.py --quick                 # 3 repeats of 5
-    python bench/sandbox.py --against 34775f2       # ... and that commit's sandbox, side by side
+    python bench/sandbox.py --against REV           # ... and that commit's sandbox, side by side
 
 With --against REV the same arms also run on the package as it was at REV (a clone in a temporary
-folder; the arms call APIs both have), one repeat of each tree after the other, rotated.
+folder; the arms call APIs both have, so REV needs the sandbox as its own subpackage,
+areal_aio/sandbox/), one repeat of each tree after the other, rotated.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from areal_aio.rewards import code, sandbox  # noqa: E402
+from areal_aio.sandbox import programs, sandbox  # noqa: E402
 from bench.common import print_table, write_json  # noqa: E402
 
 PROGRAM = "print(sum(range(1000)))"
@@ -66,10 +67,10 @@ def arms() -> dict[str, Callable[[], None]]:
         assert out.status == "exited" and out.stdout == b"499500\n", out
 
     def function() -> None:
-        assert code.run_function_tests(FUNCTION, "add", CALL_TESTS) == (True, "")
+        assert programs.run_function_tests(FUNCTION, "add", CALL_TESTS) == (True, "")
 
     def check() -> None:
-        assert code.run_check_tests(FUNCTION, CHECK, "add") == (True, "")
+        assert programs.run_check_tests(FUNCTION, CHECK, "add") == (True, "")
 
     return {"bare": bare, "bare -I -S": bare_isolated, "program": program, "function": function, "check": check}
 
@@ -92,11 +93,11 @@ def measure(n: int, repeats: int, core: int) -> dict[str, list[float]]:
 
 
 def as_user(uid: int, n: int, repeats: int, core: int) -> dict:
-    """measure() run by `uid` (tests/rewards/as_user.py makes the interpreter reachable)."""
-    from tests.rewards.as_user import json_as
+    """measure() run by `uid` (tests/sandbox/as_user.py makes the interpreter reachable)."""
+    from tests.sandbox.as_user import json_as
 
     return json_as(f"import json, sys\nsys.path.insert(0, {str(REPO)!r})\nfrom bench import sandbox as b\n"
-                   f"from areal_aio.rewards import sandbox\n"
+                   f"from areal_aio.sandbox import sandbox\n"
                    f"s = b.measure({n}, {repeats}, {core})\n"
                    f"print(json.dumps({{'seconds': s, 'layers': sandbox.layers().as_dict()}}))", uid=uid, timeout=3600)
 
@@ -114,7 +115,7 @@ def against(rev: str, n: int, repeats: int, core: int) -> dict[str, dict[str, li
         out: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
         for r in range(repeats):
             for name in list(trees)[r % 2:] + list(trees)[:r % 2]:
-                code_ = (f"import json, sys\nsys.path[:0] = [{str(trees[name])!r}]\nimport areal_aio.rewards.code\n"
+                code_ = (f"import json, sys\nsys.path[:0] = [{str(trees[name])!r}]\nimport areal_aio\n"
                          f"sys.path.insert(0, {str(REPO)!r})\nfrom bench import sandbox as b\n"
                          f"print(json.dumps(b.measure({n}, 1, {core})))")
                 done = subprocess.run([sys.executable, "-c", code_], capture_output=True, check=True, cwd=tmp)

@@ -26,14 +26,17 @@ import pytest
 from tests.conftest import ROOT
 
 ROOMS: dict[str, tuple[str, ...]] = {
-    "areal_aio": ("app", "control", "rewards", "settings", "tasks"),
-    "app": ("control", "fleet", "rewards", "tasks", "workers", "store", "settings", "wire", "seeds"),
-    "control": ("fleet", "rewards", "tasks", "store", "settings", "wire", "seeds"),
+    "areal_aio": ("agents", "app", "control", "rewards", "settings", "tasks"),
+    "app": ("control", "agents", "fleet", "rewards", "tasks", "sandbox", "workers", "store", "settings", "wire",
+            "seeds"),
+    "control": ("agents", "fleet", "rewards", "tasks", "sandbox", "store", "settings", "wire", "seeds"),
+    "agents": ("rewards", "tasks", "store", "settings", "wire", "seeds"),
     "fleet": ("store", "settings", "wire", "seeds"),
-    "rewards": ("tasks", "store", "settings", "wire", "seeds"),
-    "tasks": ("store", "settings", "wire", "seeds"),
+    "rewards": ("tasks", "sandbox", "store", "settings", "wire", "seeds"),
+    "tasks": ("sandbox", "store", "settings", "wire", "seeds"),
     "workers": ("store", "settings", "wire", "seeds"),
     "store": ("settings", "wire", "seeds"),
+    "sandbox": (),
     "settings": (),
     "wire": (),
     "seeds": (),
@@ -41,9 +44,11 @@ ROOMS: dict[str, tuple[str, ...]] = {
 """Room -> the rooms its modules may import (besides its own). A room is a subpackage of areal_aio
 (`workers` for workers/) or a top-level module (settings, wire, seeds); `areal_aio` is the
 package's own front doors (`__init__`'s lazy names, `__main__`). The arrows point one way:
-commands over the loop, the loop over the workers' clients, the tasks and the rewards (a reward
-reads a task, never the reverse), all of them over the store and the shared leaves; the workers
-(torch) see only store, settings, wire and seeds."""
+commands over the loop; the loop over the agents (episodes, the endpoint: handed the loop's
+counts, never importing it) and the workers' clients; the agents over the rewards and the tasks
+(a reward reads a task, never the reverse); all of them over the store and the leaves. The
+sandbox is a leaf: tasks make their tests with it, rewards judge with it, it imports nothing of
+the package. The workers (torch) see only store, settings, wire and seeds."""
 HEAVY = ("torch", "transformers", "safetensors", "accelerate", "gguf", "peft")
 """Packages that load torch (or are only used beside it)."""
 LAZY_HEAVY = {
@@ -196,9 +201,9 @@ def test_the_table_catches_a_type_only_import(tmp_path):
     """The check reads `if TYPE_CHECKING:` blocks: an upward arrow there is still reported."""
     path = tmp_path / "mod.py"
     path.write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
-                    "    from areal_aio.control.episodes import Model\n")
-    known = {"areal_aio.tasks.mod": path, "areal_aio.control.episodes": path}
-    assert imports("areal_aio.tasks.mod", path, known, type_only=True) == {"typing", "areal_aio.control.episodes"}
+                    "    from areal_aio.agents.episodes import Model\n")
+    known = {"areal_aio.tasks.mod": path, "areal_aio.agents.episodes": path}
+    assert imports("areal_aio.tasks.mod", path, known, type_only=True) == {"typing", "areal_aio.agents.episodes"}
     assert imports("areal_aio.tasks.mod", path, known) == {"typing"}
 
 

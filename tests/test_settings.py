@@ -189,6 +189,25 @@ def test_bad_reward_settings_name_the_key(reward, needle):
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("old", sorted(settings_module.MOVED))
+def test_an_old_built_in_name_is_refused_naming_the_new_one(old):
+    """The built-in episodes moved to areal_aio.agents: an old name in task.episode (or where a
+    reward or an episode is imported) is one line naming the new one, and the new one loads."""
+    new = settings_module.MOVED[old]
+    with pytest.raises(SettingsError) as info:
+        build_settings({"task": {"episode": old}})
+    assert str(info.value) == f"task.episode: {old!r} has moved; name {new!r}"
+    with pytest.raises(SettingsError, match="has moved"):
+        build_settings({"task": {"reward": ["answer", {"fn": old, "weight": 0.0}]}})
+    from areal_aio.rewards.scoring import import_reward
+
+    with pytest.raises(SettingsError, match=f"has moved; name {new!r}"):
+        import_reward(old, key="task.episode")
+    if "smolagents" not in new:  # an optional extra
+        assert callable(import_reward(new, key="task.episode"))
+    assert build_settings({"task": {"episode": new}}).task.episode == new
+
+
 def test_reward_forms_round_trip_through_the_resolved_file():
     from areal_aio.settings import resolved_settings, reward_parts
 

@@ -135,7 +135,7 @@ def check_task_data(settings: Settings) -> None:
     cache or fetched now): an offline machine learns how to provide it before anything starts."""
     if settings.task.name != "humaneval":
         return
-    from areal_aio.rewards.code_tasks import humaneval_rows
+    from areal_aio.tasks.code_tasks import humaneval_rows
 
     try:
         humaneval_rows()
@@ -162,7 +162,7 @@ def check_reward(settings: Settings, rows: list[Task] | None) -> None:
 
 def check_episode(settings: Settings) -> None:
     """task.episode imports and is an `async def episode(task, model)`."""
-    from areal_aio.control.episodes import episode_spec, load_episode
+    from areal_aio.agents.episodes import episode_spec, load_episode
 
     spec = episode_spec(settings)
     if not spec:
@@ -177,7 +177,7 @@ def check_endpoint(settings: Settings) -> None:
     """An episode run's endpoint (endpoint.enabled) can serve: its key variable is set, its host
     resolves to an address of this machine, its port (unless 0) is free there. Checked before
     any worker starts, so a run that could not serve writes nothing."""
-    from areal_aio.control.episodes import episode_spec
+    from areal_aio.agents.episodes import episode_spec
 
     cfg = settings.endpoint
     if not (episode_spec(settings) and cfg.enabled):
@@ -201,11 +201,11 @@ def check_endpoint(settings: Settings) -> None:
 
 def check_sandbox(settings: Settings) -> None:
     """A run that executes the model's programs (a code task, the code reward) needs the sandbox's
-    isolation and its syscall filter (rewards/sandbox.py, probed once; the filter may be waived
+    isolation and its syscall filter (sandbox/sandbox.py, probed once; the filter may be waived
     only in the environment): without them every program would be refused."""
     if not settings.runs_programs:
         return
-    from areal_aio.rewards import sandbox
+    from areal_aio.sandbox import sandbox
 
     lay = sandbox.layers()
     if lay.mode is None:
@@ -222,7 +222,7 @@ def sandbox_lines(settings: Settings) -> list[str]:
     `check` and a run's start say); none for a run that executes none."""
     if not settings.runs_programs:
         return []
-    from areal_aio.rewards import sandbox
+    from areal_aio.sandbox import sandbox
 
     return [f"sandbox {layer}: {text}" for layer, text in sandbox.layers().in_force().items()]
 

@@ -41,7 +41,7 @@ YOUNG_GC_THRESHOLD = 10_000
 messages, their token lists, the sample); most die young by reference counting, and the rest
 are walked by every collection they live through. Collections of every generation come in
 proportion to the young ones, so all become 14x rarer. What it buys: `bash
-bench/young_gc_ab.sh` (docs/benchmarks.md)."""
+bench/young_gc_ab.sh` (docs/benchmarks/components.md)."""
 
 
 STOPPING = ("\nareal_aio: already stopping (finishing what the run keeps, stopping its workers); "

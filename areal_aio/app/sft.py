@@ -49,8 +49,9 @@ from typing import Any
 import orjson
 
 from areal_aio import wire
+from areal_aio.agents.calculator import reference_turns
+from areal_aio.agents.episodes import episode_spec, load_episode
 from areal_aio.app.preflight import PreflightError, preflight, read_checked
-from areal_aio.control.episodes import episode_spec, load_episode
 from areal_aio.control.evaluation import (
     answers,
     greedy_completions,
@@ -76,7 +77,6 @@ from areal_aio.settings import (
 )
 from areal_aio.store.checkpoint import replace_folder
 from areal_aio.tasks.arithmetic import ANSWER_INSTRUCTION, worked_reply
-from areal_aio.tasks.calculator import reference_turns
 from areal_aio.tasks.files import jsonl_rows
 from areal_aio.tasks.steps import STEP_INSTRUCTION, parse
 from areal_aio.tasks.task import Task

@@ -68,7 +68,8 @@ from pathlib import Path
 from typing import Any
 
 from areal_aio import wire
-from areal_aio.control import endpoint, episodes, evaluation, keeping, stats
+from areal_aio.agents import endpoint, episodes
+from areal_aio.control import evaluation, keeping, stats
 from areal_aio.control.events import EventStream
 from areal_aio.control.groups import Groups
 from areal_aio.control.progress import Progress
@@ -92,6 +93,21 @@ MONITOR_PERIOD_S = 0.05
 """Loop-lag probe period: a lag above this much is the loop being blocked."""
 PROGRESS_PERIOD_S = 2.0
 
+COLD_START_FIELDS: dict[str, str] = {
+    "prepare_s": "Only where the workers have model files to make ready (real workers do): seconds spent "
+                 "downloading or converting the model before they start; 0.0 when it was cached.",
+    "cold_start_s": "Seconds from starting the workers to both being ready (model loads included).",
+    "rollout_load_s": "Seconds from a rollout worker's process start to its being ready (the slowest worker's).",
+    "trainer_load_s": "Seconds from the trainer's process start to its being ready (resuming: its checkpoint "
+                      "part loaded).",
+    "rollout_device": "The rollout workers' devices, comma-separated.",
+    "trainer_device": "The trainer's device.",
+    "rollout_workers": "Rollout workers (one per rollout.devices entry).",
+    "rollout_devices": "Each rollout worker's device.",
+}
+"""What summary.json says of the start (`_start_workers`); absent when the run failed before its
+workers were ready."""
+
 
 class Orchestrator:
     """Runs one training run inside the caller's event loop.
@@ -100,7 +116,7 @@ class Orchestrator:
     `reward`: any sync or async callable (task, completion_text) -> float | Score, or a list of
     rewards.Reward (summed with their weights, each logged as reward/<name>); default: what
     task.reward names;
-    `episode`: an `async def episode(task, model)` (areal_aio/control/episodes.py): each sample
+    `episode`: an `async def episode(task, model)` (areal_aio/agents/episodes.py): each sample
     is a multi-turn episode; default: what task.episode names (none: one reply per task);
     `rollout` / `trainer`: WorkerClient instances (default: the real subprocesses);
     `resume`: a run folder (or one of its checkpoints) to continue; `settings` may differ from
@@ -288,7 +304,7 @@ class Orchestrator:
                                  load_s=round(r.load_s, 3), device=r.device)
 
     async def _supervise(self) -> None:
-        # an episode run serves its OpenAI-compatible endpoint while its tasks run (endpoint.py)
+        # an episode run serves its OpenAI-compatible endpoint while its tasks run (agents/endpoint.py)
         async with (endpoint.serving(self.settings.endpoint, self._episode is not None, self.counts),
                     asyncio.TaskGroup() as tg):
             self._tg = tg

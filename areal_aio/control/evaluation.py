@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from areal_aio import wire
-from areal_aio.control import endpoint, episodes
+from areal_aio.agents import endpoint, episodes
 from areal_aio.control.sources import eval_tasks
 from areal_aio.control.stats import Counts
 from areal_aio.fleet.client import PipeWorker, WorkerClient
@@ -126,11 +126,51 @@ async def run_episodes(episode: episodes.Episode, eval_set: list[Task], step: in
     return EpisodeEval([d[0] for d in done], [d[1] for d in done], [d[2] for d in done], [d[3] for d in done])
 
 
+RATE_FIELDS: dict[str, str] = {
+    "pass_rate": "Fraction of the held-out prompts answered correctly (greedy).",
+    "strict_rate": "Fraction answered correctly inside the answer tag.",
+    "reward_mean": "Mean reward over the held-out set: task.reward's, never shaped (no overlong penalty, no "
+                   "process reward).",
+    "reward/<name>": "Only with a weighted set of rewards: each reward's own mean, unweighted.",
+}
+"""What `rates` gives: an eval row's and eval.json's scores."""
+EVAL_FIELDS: dict[str, str] = {
+    "step": "The step after which the eval started: 0 is the baseline on the untrained model, then every "
+            "task.eval_every steps and the last step.",
+    "version": "The newest policy version that answered (with interrupts an answer can finish on newer weights "
+               "than the eval started on).",
+    "wall_s": "The run's wall seconds when that version was committed: plot pass_rate against it for time to "
+              "quality (the eval's own time is not in it).",
+    "done_s": "The run's wall seconds when the eval's row was written.",
+    **RATE_FIELDS,
+    "versions": "[oldest, newest] policy versions among the answers' tokens.",
+    "episode_failures": "Only in an episode run: held-out episodes that failed (each scored 0).",
+}
+"""An eval row (`Evaluator._row`): summary.json's eval_curve, the `eval` event, the trackers."""
+
+
 def rates(scores: list[Score]) -> dict[str, float]:
     """pass_rate, strict_rate, reward_mean and, for a weighted set of rewards, reward/<name>."""
     n = len(scores)
     return {"pass_rate": sum(s.passed for s in scores) / n, "strict_rate": sum(s.strict for s in scores) / n,
             "reward_mean": sum(s.reward for s in scores) / n, **component_means(scores)}
+
+
+EVAL_SAMPLE_FIELDS: dict[str, str] = {
+    "kind": "\"eval\": one held-out prompt's answer.",
+    "step": "The eval's step (0 in eval.json).",
+    "task_id": "The task's id.",
+    "prompt": "The task's prompt.",
+    "answer": "The task's reference answer.",
+    "reply": "The greedy reply's text (an episode's: its last reply).",
+    "reward": "Its reward (task.reward's, never shaped).",
+    "pass": "Whether its final answer is correct.",
+    "strict": "Correct and inside the answer tag.",
+    "rewards": "Only with a weighted set of rewards: each reward's own value by name, unweighted.",
+    "tokens": "The reply's tokens (an episode's: its replies' and turns' ids).",
+    "turns": "Only in an episode run: the episode's record, as a training row's.",
+}
+"""samples.jsonl's row of one held-out answer (`sample_rows`); eval.json's samples too."""
 
 
 def sample_rows(step: int, eval_set: list[Task], completions: list[wire.Completion],
@@ -524,6 +564,21 @@ async def greedy_episodes(settings: Settings, tasks: list[Task], log: Path, epis
             for task in (reader, run):
                 task.cancel()
             await asyncio.gather(reader, run, return_exceptions=True)
+
+
+EVAL_FILE_FIELDS: dict[str, str] = {
+    "model": "The model scored (model.path: a run's model/, an HF folder, embedded:NAME, a hub id).",
+    **RATE_FIELDS,
+    "n": "Held-out prompts scored.",
+    "eval_seed": "task.eval_seed: which held-out set.",
+    "max_new_tokens": "rollout.max_new_tokens of the greedy replies.",
+    "episode": "Only in an episode run: the episode function (task.episode).",
+    "episode_failures": "Only in an episode run: episodes that failed (each scored 0).",
+    "quantize": "Only when generation ran quantized: \"int8\".",
+    "seconds": "Wall seconds of the eval, workers' start included.",
+    "samples": "One row per held-out prompt, as samples.jsonl's eval rows (step 0).",
+}
+"""eval.json, what `python -m areal_aio eval` writes (`evaluate_model`)."""
 
 
 async def evaluate_model(settings: Settings, out_file: Path) -> dict[str, Any]:

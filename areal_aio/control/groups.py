@@ -17,7 +17,7 @@
     drop_group / drop: the admission slots are given back (staleness.Admission.drop), the drop
         is counted (stats.Counts.dropped) and each sample gets its samples.jsonl row
 
-A group is kept, dropped and trained whole: GRPO normalizes within it. An episode (episodes.py)
+A group is kept, dropped and trained whole: GRPO normalizes within it. An episode (agents/episodes.py)
 is one sample: it is scored when the user's function returns; one that raises, times out,
 passes a bound or ends without a reply scores 0, is counted and keeps its place in its group
 (one without a reply has no token: it trains nothing, its 0 counts in the group's advantages);
@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from areal_aio import wire
-from areal_aio.control import episodes, stats
+from areal_aio.agents import episodes
+from areal_aio.control import stats
 from areal_aio.control.replay import Group, ReplayBuffer
 from areal_aio.control.staleness import Admission
 from areal_aio.rewards.scoring import Score, Scorer, overlong_penalty, shaped
@@ -245,7 +246,7 @@ class Groups:
     # ------------------------------------------------------------------ episodes
 
     async def _play(self, sample: Sample, group: PendingGroup) -> None:
-        """One sample as a multi-turn episode (episodes.py): the user's function under
+        """One sample as a multi-turn episode (agents/episodes.py): the user's function under
         task.episode_timeout_s, then its score. One that raises, times out, passes a bound or
         ends without a reply scores 0 and is counted; a dropped group or a stop cancels it (its
         reply in flight is aborted). Once its group is whole, a run of groups that only failed

@@ -52,6 +52,22 @@ EXPORTS = ("model", "best")
 """The HF folders a run writes beside its rows (as .<name>.tmp first)."""
 
 
+RESUME_FIELDS: dict[str, str] = {
+    "step": "The step of the checkpoint the run resumed from.",
+    "version": "The policy version of that checkpoint.",
+    "checkpoint": "Its folder under checkpoints/ (step-<N>).",
+    "lost_in_flight": "Samples of the groups admitted and not trained at the checkpoint, generated again first.",
+    "wall_s": "Wall seconds the run had spent before this resume.",
+}
+"""An entry of summary.json's resumes (and the `resumed` event): `Keeper.resumed`."""
+BEST_FIELDS: dict[str, str] = {
+    "pass_rate": "Its held-out pass rate.",
+    "version": "The policy version it scored (best/ holds it with run.keep_best).",
+    "step": "The step of that eval.",
+}
+"""summary.json's best_eval: the best eval of a trained version (`Keeper.evaluated`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Position:
     """Where the run stands: the last committed step and the version it committed."""

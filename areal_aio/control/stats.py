@@ -17,6 +17,10 @@ changes it and every row one place that builds it:
     Counts.answered    the endpoint answered a call       endpoint_calls, endpoint_errors (by status)
     (admitted, restarts, eval_tokens, lost_in_flight: one line each where they happen)
     WorkerShare        one rollout worker's part: its requests and training tokens
+
+Each row's fields are described beside the function that builds it (STEP_FIELDS, SAMPLE_FIELDS,
+SUMMARY_FIELDS, WORKER_FIELDS; the other writers keep theirs likewise): docs/metrics.md is
+generated from them, and a field written without a description fails its test.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ class Counts:
     skipped_uniform: int = 0  # samples of groups not trained for equal rewards (controller.dynamic_sampling)
     steps_skipped: int = 0  # committed steps whose update the trainer skipped (not finite)
     skipped_in_a_row: int = 0  # the last steps_skipped, back to 0 at a step that updated
-    endpoint_calls: int = 0  # chat completions the OpenAI-compatible endpoint answered (control/endpoint.py)
+    endpoint_calls: int = 0  # chat completions the OpenAI-compatible endpoint answered (agents/endpoint.py)
     endpoint_errors: dict[str, int] = field(default_factory=dict)  # its error answers by HTTP status ("429": n)
     staleness_hist: Counter = field(default_factory=Counter)
 
@@ -150,6 +154,19 @@ class WorkerShare:
     gen_tokens: int = 0  # its training rollouts' tokens: the workers' sum is Counts.gen_tokens
 
 
+WORKER_FIELDS: dict[str, str] = {
+    "worker": "The worker's index in rollout.devices (0 for a single worker).",
+    "device": "The device it generated on, as it reported it at start.",
+    "requests": "Completions it returned in this process: training rollouts, eval answers, an episode's replies, "
+                "process-reward continuations and aborted requests.",
+    "gen_tokens": "Tokens of the training replies it returned whole in this process (the workers' sum is the "
+                  "summary's gen_tokens in a run that did not resume).",
+    "idle_frac": "Fraction of this process's wall time it had no request out, however busy the others were; null "
+                 "when no time passed.",
+}
+"""summary.json's rollout_workers_detail: one entry per rollout worker (`worker_rows`)."""
+
+
 def worker_rows(shares: Sequence[WorkerShare], busy_s: Sequence[float], wall: float) -> list[dict[str, Any]]:
     """rollout_workers_detail: per worker, its share and its idle fraction over `wall` (the
     time it had no request out, however busy the others were). A resumed run counts them
@@ -162,6 +179,48 @@ def worker_rows(shares: Sequence[WorkerShare], busy_s: Sequence[float], wall: fl
 def trained_tokens(c: wire.Completion, mask: list[int] | None) -> int:
     """The tokens of a sequence its loss trains (an episode's turns are masked out)."""
     return len(c.completion_ids) if mask is None else sum(mask)
+
+
+SAMPLE_FIELDS: dict[str, str] = {
+    "kind": "\"train\": a training sample, trained or dropped (eval answers are \"eval\" rows).",
+    "request_id": "The sample's request id, g<group>.<index>, with ~<n> after its n-th restart.",
+    "sequence": "Only in an episode run, on a trained row: this sequence's place (from 0) among those its episode "
+                "trained.",
+    "sequences": "Only in an episode run, on a trained row: how many sequences its episode trained (more than 1 "
+                 "when a call through the endpoint rewrote the episode's history).",
+    "group": "The group id: the group_size samples of one prompt, whose rewards set each other's advantage.",
+    "task_id": "The task's id.",
+    "prompt": "The task's prompt.",
+    "answer": "The task's reference answer.",
+    "reply": "The reply's text (an episode's: its last reply; the others are in turns); null when no reply came "
+             "back.",
+    "reward": "The reward it trained with: the reward function's, shaped by task.overlong_buffer and combined "
+              "with the process reward where those are on; null when it was dropped before it was scored.",
+    "pass": "Whether the final answer is correct (the first reward of a weighted set decides); null when not "
+            "scored.",
+    "strict": "Correct and inside the answer tag; null when not scored.",
+    "reward_failed": "The reward function raised or timed out, and the sample scored 0; null when not scored.",
+    "rewards": "Only with a weighted set of rewards or task.overlong_buffer: each reward's own value by name, "
+               "unweighted (`overlong`: the penalty, 0 or below).",
+    "oldest_version": "The policy version of the reply's oldest token (-1 for a reply without a token); null "
+                      "when no reply came back.",
+    "newest_version": "The policy version of its newest token; above oldest_version when weights changed while "
+                      "it was generated.",
+    "staleness": "On a trained row: versions between the reply's oldest token (of this sequence) and the policy "
+                 "that trained it; null on a dropped row.",
+    "interrupts": "Weight loads the reply lived through while it was generated; null when no reply came back.",
+    "retries": "Times the sample was sent again after an abort (controller.on_interrupt = restart).",
+    "dropped": "Null for a trained sample; else why it was not trained: stale (older than max_staleness when its "
+               "batch formed), interrupt (restarted past controller.max_retries), episode (no episode of its "
+               "group replied) or uniform (dynamic sampling: its group's rewards were equal).",
+    "step": "The step that trained it; null on a dropped row.",
+    "tokens": "The reply's tokens (an episode's: its replies' and turns' ids); 0 when no reply came back.",
+    "process": "Only with process.mode on: the process reward's record of this reply (see the table below).",
+    "turns": "Only in an episode run: the episode's record, one entry per reply and per added turn: role, text, "
+             "tokens, trained (whether the loss sees it) and cut (true on a turn cut to the token bound); a text "
+             "over 2000 characters keeps its head and tail.",
+}
+"""samples.jsonl's row of a training sample (`sample_row`), once its fate is known."""
 
 
 def sample_row(s: Any, *, staleness: int | None = None, step: int | None = None,
@@ -212,6 +271,41 @@ def group_fields(outcomes: Iterable[tuple[Hashable, float, bool]]) -> dict[str, 
             "unsolved_frac": sum(not any(p for _, p in g) for g in members) / n}
 
 
+STEP_FIELDS: dict[str, str] = {
+    "step": "The step, from 1: steps committed so far, a skipped update included.",
+    "version": "The policy version this step committed (the trainer publishes it; the rollout workers load it "
+               "next).",
+    "wall_s": "The run's wall seconds at the commit, counted from its start (a resumed run goes on from the "
+              "checkpoint's).",
+    "train_s": "Seconds from the Train request to its commit: the trainer's update, publishing the weights, "
+               "and the pipe.",
+    "wait_s": "Seconds the train loop waited for a fresh batch before it sent Train: near 0 when generation "
+              "keeps ahead of training.",
+    "reward_mean": "Mean reward of the batch's samples, as trained (the trainer's own figure replaces it, see "
+                   "below).",
+    "reward/<name>": "Only with a weighted set of rewards or task.overlong_buffer: each reward's own mean over "
+                     "the batch, unweighted (`reward/overlong`: the mean penalty).",
+    "pass_rate": "Fraction of the batch's samples whose final answer is correct.",
+    "strict_rate": "Fraction of the batch's samples correct and inside the answer tag.",
+    "groups": "Groups in the batch (trainer.batch_size / rollout.group_size).",
+    "spread_frac": "Fraction of the batch's groups whose rewards differ: the only ones a group-relative "
+                   "advantage learns from.",
+    "solved_frac": "Fraction of the batch's groups whose every reply passes.",
+    "unsolved_frac": "Fraction of the batch's groups where no reply passes.",
+    "staleness_max": "The batch's largest staleness: versions between a sample's oldest token and the policy "
+                     "that trains it (at most the run's max_staleness, in summary.json).",
+    "staleness_mean": "The batch's mean staleness.",
+    "replay_groups": "Groups scored and waiting in the replay buffer at the commit, beyond this batch.",
+    "in_flight": "Training requests out with the rollout workers at the commit.",
+    "gen_tokens_per_s": "Tokens generated so far (training rollouts and evals) per wall second of the run: an "
+                        "average since the start, not this step's rate.",
+    "train_tokens_per_s": "Tokens trained so far per wall second of the run, averaged likewise.",
+}
+"""steps.jsonl's row of a committed step, the controller's part (`step_row`); the trainer's stats
+(workers/trainer/worker.py TRAIN_STATS) and, in process mode, the process reward's
+(rewards/process.py) join it."""
+
+
 def step_row(step: int, version: int, wall: float, train_s: float, wait_s: float, samples: Sequence[Any],
              stale: list[int], counts: Counts, trained: wire.Trained, **queues: int) -> dict[str, Any]:
     """The steps.jsonl row of a committed step; `queues`: depths at the commit (replay_groups, in_flight)."""
@@ -228,6 +322,74 @@ def step_row(step: int, version: int, wall: float, train_s: float, wait_s: float
             "gen_tokens_per_s": (counts.gen_tokens + counts.eval_tokens) / max(wall, 1e-9),
             "train_tokens_per_s": counts.trained_tokens / max(wall, 1e-9),
             **{k: v for k, v in trained.stats.items() if k not in ("step", "version")}}
+
+
+SUMMARY_FIELDS: dict[str, str] = {
+    "mode": "run.mode: sync, one_step or areal.",
+    "max_staleness": "The staleness bound in force (eta: 0 for sync, 1 for one_step, controller.max_staleness "
+                     "for areal); null for unbounded.",
+    "objective": "trainer.objective.",
+    "interrupt": "rollout.interrupt: whether new weights load in the middle of a reply.",
+    "seed": "run.seed.",
+    "model": "model.path.",
+    "wall_s": "The run's wall seconds, start to summary, the processes before a resume included.",
+    "steps": "Steps committed.",
+    "final_version": "The last committed policy version (what model/ holds).",
+    "samples_admitted": "Training rollouts admitted (group_size per task taken from the source).",
+    "samples_generated": "Training rollouts that came back whole (an episode: once, when it ended with a reply).",
+    "samples_accepted": "Samples trained.",
+    "sequences_trained": "Sequences trained: samples_accepted, plus the earlier sequences of episodes whose history "
+                         "was rewritten through the endpoint.",
+    "samples_dropped_stale": "Samples dropped when their batch formed: older than max_staleness.",
+    "samples_dropped_interrupt": "Samples dropped with their group after a restart past controller.max_retries.",
+    "samples_unused": "Samples admitted and neither trained nor dropped: still generating, scoring or waiting in the "
+                      "replay buffer when the run stopped.",
+    "interrupts": "Weight loads lived through by the training replies that came back whole, summed.",
+    "restarts": "Samples sent again after an abort (controller.on_interrupt = restart).",
+    "reward_failures": "Reward calls that raised or timed out (each scored 0).",
+    "episode_failures": "Episodes that raised, timed out, passed a bound or never replied (each scored 0).",
+    "samples_dropped_episode": "Samples of groups dropped because none of their episodes replied.",
+    "samples_skipped_uniform": "Samples scored and not trained because their group's rewards were equal "
+                               "(controller.dynamic_sampling).",
+    "steps_skipped": "Steps whose update the trainer skipped: a loss or gradient norm that was not finite.",
+    "endpoint_calls": "Chat completions the OpenAI-compatible endpoint answered (episode runs).",
+    "endpoint_errors": "The endpoint's error answers by HTTP status, {\"429\": n, ...}; {} when none.",
+    "dynamic_sampling": "controller.dynamic_sampling.",
+    "max_staleness_trained": "The largest staleness of any trained sample.",
+    "lost_in_flight": "Samples of the groups admitted and not trained at the checkpoints this run resumed from: "
+                      "generated again first, under the same seeds.",
+    "resumes": "One entry per resume, in order (see the table below); [] for a run never resumed.",
+    "best_eval": "The held-out eval with the highest pass rate of a trained version (see the table below); null "
+                 "when no trained version was evaluated.",
+    "staleness_hist": "Trained samples by staleness, {\"0\": n, \"1\": n, ...}.",
+    "eval_curve": "Every held-out eval's row, by step (the eval rows below).",
+    "threshold": "run.threshold; null when off (0).",
+    "time_to_threshold_s": "The smallest wall_s of an eval at or above run.threshold: the commit time of the "
+                           "version that reached it; null when none did.",
+    "reward_per_1k_tokens": "Reward of every scored training sample, summed, per 1000 generated training tokens; "
+                            "0.0 before any.",
+    "gen_tokens": "Tokens of the training replies that came back whole (evals and continuations not counted).",
+    "eval_tokens": "Tokens of the held-out evals' answers.",
+    "trained_tokens": "Tokens the loss trained (an episode's added turns are masked out).",
+    "process_mode": "process.mode.",
+    "gen_tokens_per_s": "(gen_tokens + eval_tokens) / wall_s; 0.0 when no time passed.",
+    "train_tokens_per_s": "trained_tokens / wall_s; 0.0 when no time passed.",
+    "rollout_idle_frac": "Fraction of the wall time no rollout worker had a request out; null when no time "
+                         "passed.",
+    "trainer_idle_frac": "Fraction of the wall time the trainer had no Train or Save out; null when no time passed.",
+    "rollout_workers_detail": "One entry per rollout worker (see the table below); [] when the workers never "
+                              "started.",
+    "loop_lag_max_ms": "The longest the controller's event loop was held past its probe period, in milliseconds: "
+                       "a few ms is normal, hundreds mean something blocks the loop.",
+    "sandbox": "The sandbox's layers the run's programs ran under, a line each by layer; null for a run that "
+               "executes no program.",
+    "folder": "The run folder.",
+    "ended": "How the run ended: completed, exhausted, threshold, max_wall, stopped, interrupted or "
+             "\"failed: <cause>\".",
+    "error": "The failure in one line; null when the run ended by itself or was interrupted.",
+}
+"""summary.json (`summarize`), the controller's part; the cold start's fields (control/controller.py
+COLD_START_FIELDS) and the process reward's counters (rewards/process.py) join it."""
 
 
 def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, cold_start: dict,
@@ -274,11 +436,11 @@ def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, 
 
 
 def sandbox_in_force(s: Settings) -> dict[str, str] | None:
-    """The sandbox's layers a run's programs ran under, a line each (rewards/sandbox.py); None for
+    """The sandbox's layers a run's programs ran under, a line each (sandbox/sandbox.py); None for
     a run that executes no program."""
     if not s.runs_programs:
         return None
-    from areal_aio.rewards import sandbox
+    from areal_aio.sandbox import sandbox
 
     return sandbox.layers().in_force()
 

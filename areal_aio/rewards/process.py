@@ -89,6 +89,44 @@ def combine(p: ProcessSettings, *, correct: bool, valid: bool, steps: int,
     return reward, False
 
 
+COUNTER_FIELDS: dict[str, str] = {
+    "gen_tokens": "Tokens of the training replies that came back whole so far (evals and continuations not "
+                  "counted).",
+    "continuation_tokens": "Tokens of the continuations generated so far (an aborted one's included).",
+    "continuation_requests": "Continuations sent so far.",
+    "continuation_s": "Wall seconds so far with at least one continuation in flight.",
+    "cost_multiple": "(gen_tokens + continuation_tokens) / gen_tokens: what the process reward multiplies "
+                     "generation by; null before any token.",
+    "process_replies": "Replies scored with continuations so far (those with a scorable step).",
+    "process_gated": "Replies gated so far: wrong, with a process score below process.tau (rewarded "
+                     "process.penalty).",
+    "continuation_reward_failures": "Continuations whose reward call failed so far (counted as not correct).",
+}
+"""The process reward's counters (`StepCredit.stats`), the run's so far: in summary.json always (0
+with process.mode off), in each steps.jsonl row with it on."""
+STEP_FIELDS: dict[str, str] = {
+    "process_mean": "Only with process.mode on: the mean process score (R_proc) of the batch's replies that "
+                    "have one; null when none has.",
+    "gated_frac": "Only with process.mode on: fraction of the batch's replies gated.",
+    "format_valid_frac": "Only with process.mode on: fraction of the batch's replies in the step format.",
+    **{k: f"Only with process.mode on: {v[0].lower()}{v[1:]}" for k, v in COUNTER_FIELDS.items()},
+}
+"""What a steps.jsonl row adds in process mode (`step_fields`)."""
+RECORD_FIELDS: dict[str, str] = {
+    "steps": "Scorable steps of the reply (K): well-formed steps before its answer.",
+    "valid": "Whether the reply is in the step format (what format_weight and the step bonus pay for).",
+    "problem": "Why it is not in the format; \"\" when it is.",
+    "c": "Each scored step's share of continuations that reached the correct answer, steps 1 to "
+         "min(K, process.max_scored_steps); [] without continuations.",
+    "proc": "The process score R_proc, the mean of c; null when no continuations are sampled (outcome mode, "
+            "a failed reward).",
+    "gated": "Whether the gate replaced its reward with process.penalty.",
+    "tokens": "Tokens of its continuations.",
+    "versions": "[oldest, newest] policy versions of its continuations' tokens; null when none.",
+}
+"""A samples.jsonl training row's `process`: the record `StepCredit.score` keeps of one reply."""
+
+
 def step_fields(details: Sequence[dict | None], gen_tokens: int, credit: StepCredit) -> dict[str, Any]:
     """What a steps.jsonl row adds in process mode: the batch's process score and gate rate, and
     the run's token counts so far (curves against generated tokens read them)."""

@@ -45,7 +45,14 @@ from pathlib import Path
 from typing import Any
 
 from areal_aio.rewards.pool import RewardPool, RewardPoolBroken
-from areal_aio.settings import CODE_REWARD, CODE_TASKS, SettingsError, TaskSettings, reward_parts
+from areal_aio.settings import (
+    CODE_REWARD,
+    CODE_TASKS,
+    SettingsError,
+    TaskSettings,
+    not_moved,
+    reward_parts,
+)
 from areal_aio.tasks.task import Task, as_number, same_answer
 
 KEY = "task.reward"
@@ -351,6 +358,7 @@ def _load(name: str, spec: str, weight: float, task: TaskSettings) -> Reward:
 def import_reward(spec: str, key: str = KEY) -> Callable[..., Any]:
     """The callable that "package.module:attr" names (the current folder is searched too, as
     `python -m` does); SettingsError naming `key` saying why it cannot be had."""
+    not_moved(key, spec)
     module_name, _, attr = spec.partition(":")
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # also what the reward pool's processes get

@@ -26,7 +26,7 @@ def worked_reply(task: Task) -> str:
     ("5 - 9 = -4\n<answer>-4</answer>"). The model already writes the sum out by itself (its
     greedy replies are "5 - 9 = -4"), so only the tag is new: tuned on the tagged answer alone,
     SmolLM2-135M-Instruct answered 0.30 of the held-out sums against 0.55 before
-    (docs/benchmarks.md, "The default task: tagged answers from the start")."""
+    (docs/benchmarks/cold-start.md, "The default task: tagged answers from the start")."""
     expression = expression_of(task, ANSWER_INSTRUCTION)
     return f"{expression} = {task.answer}\n<answer>{task.answer}</answer>"
 

@@ -26,7 +26,7 @@ ROLES = ("system", "user", "assistant")
 
 
 TestsCheck = Callable[[dict[str, Any]], str]
-"""What is wrong with a code row's tests for the judge, or "" (rewards/code_tasks.py
+"""What is wrong with a code row's tests for the judge, or "" (tasks/code_tasks.py
 tests_columns_problem)."""
 
 COLUMNS = ("id", "prompt", "messages", "answer")

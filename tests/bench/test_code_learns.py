@@ -41,7 +41,7 @@ def test_spread_is_the_share_of_groups_whose_rewards_differ():
 def test_report_only_reads_the_finished_files_and_runs_nothing(tmp_path, capsys, monkeypatch):
     reference = [{"task_id": f"HumanEval/{i}", "canonical_solution": "    # one\n    return 1\n" if i < 30 else
                   "    a = 1\n\n    return a\n"} for i in range(164)]
-    monkeypatch.setattr("areal_aio.rewards.code_tasks.humaneval_rows", lambda: reference)
+    monkeypatch.setattr("areal_aio.tasks.code_tasks.humaneval_rows", lambda: reference)
     eval_file(tmp_path / "base" / "humaneval.json", [22, 23], 164)
     eval_file(tmp_path / "run" / "humaneval-warm.json", [22, 23, 40], 164)
     eval_file(tmp_path / "run" / "humaneval-rl.json", [22, 23, 40], 164)

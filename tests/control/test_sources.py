@@ -142,7 +142,7 @@ def code_settings(name: str = "code", **task):
 
 
 async def test_code_tasks_come_as_an_async_stream_and_sft_gets_a_plain_one():
-    from areal_aio.rewards.code_tasks import code_stream
+    from areal_aio.tasks.code_tasks import code_stream
 
     s = code_settings()
     stream = training_tasks(s, start=1)
@@ -176,7 +176,7 @@ async def test_a_run_on_code_tasks_is_judged_in_the_sandbox(tmp_path, monkeypatc
     solution from version 2 on, and a wrong function before."""
     from areal_aio.control.controller import Orchestrator
     from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
-    from areal_aio.rewards.code_tasks import code_eval, code_stream
+    from areal_aio.tasks.code_tasks import code_eval, code_stream
     from tests.conftest import make_settings
 
     monkeypatch.setenv("AREAL_AIO_CACHE", str(tmp_path / "cache"))

@@ -82,7 +82,7 @@ def test_a_batch_s_groups_are_counted_by_whether_their_rewards_differ_and_their_
 
 def test_the_summary_names_the_sandbox_layers_of_a_run_that_executes_programs(monkeypatch):
     from areal_aio.control.stats import sandbox_in_force
-    from areal_aio.rewards import sandbox
+    from areal_aio.sandbox import sandbox
     from areal_aio.settings import build_settings
 
     monkeypatch.setattr(sandbox, "layers", lambda: sandbox.Layers("root", namespaces=("pid", "net"), seccomp=True))

@@ -1,15 +1,16 @@
 """The code reward: programs are judged on their outputs, in this process, against values that
-never entered the sandbox; the tricks that fool a sentinel- or assert-based judge score 0."""
+never entered the sandbox; the tricks that fool a sentinel- or assert-based judge score 0. (The
+values across the sandbox's wall alone: tests/sandbox/test_programs.py.)"""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from areal_aio.rewards import code, sandbox
-from areal_aio.rewards.code import decode, encode, extract_program, reward, same
+from areal_aio.rewards import code
+from areal_aio.rewards.code import extract_program, reward
 from areal_aio.rewards.scoring import Score, reward_columns
+from areal_aio.sandbox import programs, sandbox
+from areal_aio.sandbox.programs import same
 from areal_aio.tasks.task import Task
 
 ADD_TESTS = [{"args": [1, 2], "output": 3}, {"args": [10, -4], "output": 6}, {"kwargs": {"a": 0, "b": 0}, "output": 0}]
@@ -39,45 +40,12 @@ def test_the_program_is_the_last_python_block_else_the_text():
     assert extract_program("def f(): return 1") == ("def f(): return 1", False)
 
 
-def test_values_round_trip_and_keep_their_types():
-    for value in [None, True, 3, -2.5, "s", [1, (2, 3)], {"a": {1: {2}}}, frozenset({1}), b"\x00", 1 + 2j,
-                  {(1, 2): [None]}]:
-        assert decode(encode(value)) == value and type(decode(encode(value))) is type(value)
-    assert math.isnan(decode(encode(float("nan"))))
-
-
-def test_only_plain_values_encode():
-    class AlwaysEqual:
-        def __eq__(self, other):
-            return True
-
-    class SneakyInt(int):
-        pass
-
-    for value in [AlwaysEqual(), SneakyInt(3), [AlwaysEqual()], object(), 10 ** 5000, print]:
-        with pytest.raises((TypeError, ValueError)):
-            encode(value)
-
-
-@pytest.mark.parametrize("forged", [{"a": 1, "b": 2}, {"$eval": "1"}, {"$dict": [[[1], 2]]}, {"$float": "1e999"},
-                                    {"$tuple": "ab"}, {"$set": [[1]]}])
-def test_decode_rejects_what_encode_never_writes(forged):
-    with pytest.raises(ValueError):
-        decode(forged)
-
-
-def test_same_is_json_equality_with_a_float_tolerance():
-    assert same(3, 3) and same(0.1 + 0.2, 0.3) and same([1, {"a": 2.0}], [1, {"a": 2}])
-    assert not same(True, 1) and not same(1, True) and not same(None, 0) and not same("1", 1)
-    assert not same([1, 2], [1, 2, 3]) and not same({"a": 1}, {"a": 1, "b": 2}) and not same({1}, [1])
-
-
 def test_what_a_program_sends_back_never_raises_out_of_the_judge():
     """Values and bytes the model's program controls: a wrong answer, never a crash (which the
     pool would count as a failed reward)."""
     assert not same(10**400, 1.5) and not same(1.5, 10**400) and same(10**400, 10**400)
     flood = sandbox.Outcome(status="exited", results=b"[" * 100_000 + b'\n{"i": 0}\n')
-    assert code.read_results(flood) == []
+    assert programs.read_results(flood) == []
     assert not code.defines("-" * 300_000 + "1", "f") and not code.defines("(" * 10_000, "f")
 
 
@@ -165,10 +133,10 @@ it and every object (its source holds the digits reversed, so only a copy it is 
 def test_the_programs_process_never_holds_what_the_tests_compare_with():
     task = Task("table", "", "", {"tests": TABLE, "entry_point": "add"})
     assert score(task, fenced("def add(a, b):\n    return a + b")).passed
-    outcome = sandbox.run(code.harness({"mode": "serve", "program": SNOOP, "entry_point": "add"}),
-                          driver=code.driver({"prefix": "", "tests": TABLE, "entry_point": "add"}))
+    outcome = sandbox.run(programs.harness({"mode": "serve", "program": SNOOP, "entry_point": "add"}),
+                          driver=programs.driver({"prefix": "", "tests": TABLE, "entry_point": "add"}))
     assert outcome.stdout == b"not found\n" * 3, outcome
-    assert code.read_results(outcome) == [{"passed": True, "error": ""}]
+    assert programs.read_results(outcome) == [{"passed": True, "error": ""}]
 
 
 def test_the_program_cannot_reach_the_drivers_memory_or_its_verdict():
@@ -190,10 +158,10 @@ def test_the_program_cannot_reach_the_drivers_memory_or_its_verdict():
              "    except OSError:\n"
              "        pass\n"
              "    return 0\n")
-    outcome = sandbox.run(code.harness({"mode": "serve", "program": probe, "entry_point": "add"}),
-                          driver=code.driver({"prefix": "", "tests": TABLE, "entry_point": "add"}))
+    outcome = sandbox.run(programs.harness({"mode": "serve", "program": probe, "entry_point": "add"}),
+                          driver=programs.driver({"prefix": "", "tests": TABLE, "entry_point": "add"}))
     assert b"READ" not in outcome.stdout and b"ATTACHED" not in outcome.stdout, outcome.stdout
-    assert code.read_results(outcome)[0]["passed"] is False
+    assert programs.read_results(outcome)[0]["passed"] is False
     killer = "import os, signal\ndef add(a, b):\n    os.kill(-1, signal.SIGKILL)\n    return 0\n"
     assert not score(Task("t", "", "", {"tests": TABLE, "entry_point": "add"}), fenced(killer)).passed
 
@@ -218,7 +186,7 @@ def test_deeply_nested_output_scores_zero_and_never_raises():
            "os.write(3, line)\ndef add(a, b):\n    return a + b\n")
     assert score(ADD, fenced(raw)) == Score(0.0, False)
     nested = b'{"i": 0, "error": ' + b"[" * 990 + b"]" * 990 + b"}\n"
-    assert code.read_results(sandbox.Outcome(status="exited", results=nested)) == []
+    assert programs.read_results(sandbox.Outcome(status="exited", results=nested)) == []
 
 
 def test_a_program_sees_only_the_packages_its_task_names():
@@ -228,10 +196,10 @@ def test_a_program_sees_only_the_packages_its_task_names():
     assert score(with_numpy, numpy_add).passed
     gym = fenced("import reasoning_gym\ndef add(a, b):\n    return a + b")
     assert not score(with_numpy, gym).passed
-    assert code.tests_problem(ADD_TESTS, "add", ["reasoning_gym"]) == \
+    assert programs.tests_problem(ADD_TESTS, "add", ["reasoning_gym"]) == \
         "packages: package 'reasoning_gym' cannot be given to a program"
-    assert "not installed" in code.tests_problem(ADD_TESTS, "add", ["no_such_package_here"])
-    assert code.tests_problem(ADD_TESTS, "add", ["numpy"]) is None
+    assert "not installed" in programs.tests_problem(ADD_TESTS, "add", ["no_such_package_here"])
+    assert programs.tests_problem(ADD_TESTS, "add", ["numpy"]) is None
 
 
 @pytest.mark.parametrize("body", [

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from areal_aio.control import episodes
+from areal_aio.agents import episodes
+from areal_aio.agents.model import Transcript
 from areal_aio.rewards.scoring import (
     REWARD_LIMIT,
     AnswerReward,
@@ -22,7 +23,6 @@ from areal_aio.rewards.scoring import (
     same_answer,
 )
 from areal_aio.settings import SettingsError, build_settings
-from areal_aio.tasks.episode import Transcript
 from areal_aio.tasks.task import Task
 from tests.conftest import ROOT
 
@@ -162,7 +162,7 @@ HUNG = """
 import asyncio, sys, time
 sys.path.insert(0, {tests!r})  # the repository: tests.conftest
 from areal_aio.rewards.scoring import Scorer
-from areal_aio.tasks.episode import Transcript
+from areal_aio.agents.model import Transcript
 from areal_aio.tasks.task import Task
 from tests.conftest import hangs
 

@@ -16,7 +16,8 @@ than the rest, and one int8 scale per row then rounds the rest away. Multiplying
 fixed orthogonal matrix R, and the weight rows by the same R, leaves x W^T unchanged and
 spreads each outlier over a block of channels. R is block-diagonal, each block
 diag(random signs) x the Walsh-Hadamard matrix of BLOCK channels. What this buys, in
-tokens per second and in drift from fp32, is measured in docs/rollout.md and docs/benchmarks.md.
+tokens per second and in drift from fp32, is measured in docs/rollout.md and
+docs/benchmarks/components.md.
 """
 
 from __future__ import annotations

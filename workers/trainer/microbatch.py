@@ -31,8 +31,8 @@ nothing would make the softmax NaN, and NaN times a zero gradient is still NaN).
 
 Why one group per row: the mask is dense, and on CPU attention with a mask pays
 for every query-key pair of a row, quadratic in its length. Two groups per row
-save the padding between groups and pay it back in attention (docs/benchmarks.md,
-gives the measurement); one is simpler.
+save the padding between groups and pay it back in attention
+(docs/benchmarks/components.md gives the measurement); one is simpler.
 
 Both layouts carry `gather` [T]: for each completion token, the flat position in
 [n x L] whose hidden state predicts it, so the LM head runs on those T positions only.

@@ -43,26 +43,15 @@ after the prompt; workers/trainer/microbatch.py). The result equals the per-sequ
 forward (a test checks log-probs and gradients), and the work is the real tokens,
 P + sum(C_i - 1) per group, where rows padded to the longest reply cost
 G * (P + C_max) unshared and P + G * (C_max - 1) with the prompt's KV shared
-(docs/benchmarks.md has both measured on a run's replies). It needs an
+(docs/benchmarks/components.md has both measured on a run's replies). It needs an
 attention that takes a custom mask (sdpa or eager). auto leaves it off on CUDA,
 where a 135M model is kernel-launch-bound and this layout is not measured yet.
 
-Stats (all plain floats/ints, token means unless named otherwise): loss,
-entropy, clip_frac, ratio_min/mean/max, behav_w_min/mean/max (pi_prox /
-pi_behav), capped_frac, grad_norm (mean pre-clip norm over mini-batches), kl
-(k3, only when kl_coef > 0), tokens, computed_tokens (token positions the
-update's forward ran on, padding included), seqs, seconds, prox_s (the no-grad pi_prox
-pass of mini-batches after the first: 0 with one), publish_s, reduce_s (the gradient
-all-reduces of a data-parallel trainer, waiting for the slowest rank included: 0 with one rank;
-on a GPU the reduction is queued, so this is mostly the wait for the other ranks),
-mismatch_kl (k3 KL(behav || prox) over tokens sampled by exactly this version, the mean of
-exp(r) - 1 - r with r = log pi_prox - log pi_behav; None when there are none), mismatch_k1 (the
-same tokens' mean of -r: the k1 estimate of the same KL, unbiased too but of either sign, the
-figure some peers report; k3 is never negative and has the lower variance), reward_mean, adv_abs_mean, skipped (mini-batches whose step was
-not taken: their loss or gradient norm was not finite, and AdamW with a NaN gradient would
-make every weight NaN; the update still publishes v<version+1>, the weights it holds, so the
-clock goes on and the controller counts the step as skipped). A supervised update
-(Train.objective "sft", what `python -m areal_aio sft` sends) reports SFT_STATS only.
+Stats: one plain number (or None) per TRAIN_STATS key, of the whole batch; a supervised update
+(Train.objective "sft", what `python -m areal_aio sft` sends) reports SFT_STATS only. A
+mini-batch whose loss or gradient norm is not finite takes no step (`skipped`: AdamW with a NaN
+gradient would make every weight NaN); the update still publishes v<version+1>, the weights it
+holds, so the clock goes on and the controller counts the step as skipped.
 """
 
 from __future__ import annotations
@@ -97,6 +86,46 @@ HEAD_CHECK_ATOL = 1e-4
 """Chunked head vs the model's own logits at init: fp32 agreement well inside this means the
 model's logits are exactly lm_head(last hidden) (no scaling we do not know about)."""
 
+
+TRAIN_STATS: dict[str, str] = {
+    "loss": "The objective's loss, averaged over the step's mini-batches (each aggregated by "
+            "trainer.loss_agg; the kl and entropy terms included where on); not finite on a skipped step.",
+    "entropy": "Mean entropy of the policy per trained token, in nats, at the sampling temperature: near 0, "
+               "the policy repeats itself and groups lose their spread.",
+    "clip_frac": "Fraction of trained tokens the objective clipped (cispo: whose weight it clipped); 0 for pg.",
+    "ratio_min": "Smallest ratio the objective clips, over trained tokens: pi_theta / pi_prox (decoupled "
+                 "objectives: 1 with one mini-batch), pi_theta / pi_behav (ppo, pg).",
+    "ratio_mean": "Mean of that ratio over trained tokens.",
+    "ratio_max": "Largest of that ratio over trained tokens.",
+    "behav_w_min": "Smallest behaviour weight pi_prox / pi_behav over trained tokens: how far the policy that "
+                   "trains is from the one that sampled (staleness, int8 generation).",
+    "behav_w_mean": "Mean behaviour weight over trained tokens.",
+    "behav_w_max": "Largest behaviour weight over trained tokens.",
+    "capped_frac": "Fraction of trained tokens whose behaviour weight passed trainer.behav_cap (masked or "
+                   "clamped by trainer.cap_mode); 0 for ppo and pg.",
+    "grad_norm": "Gradient norm before clipping, averaged over the mini-batches; not finite on a skipped step.",
+    "kl": "Only with trainer.kl_coef > 0: mean k3 KL per trained token to the reference (trainer.kl_ref).",
+    "tokens": "Tokens trained (an episode's added turns left out).",
+    "computed_tokens": "Token positions the update's forward passes ran on, padding included.",
+    "seqs": "Sequences trained.",
+    "mismatch_kl": "k3 KL(pi_behav || pi_prox) over the tokens this very version sampled: the gap between "
+                   "generation and training on the same weights (~0 in fp32; int8 or bf16 raise it); null "
+                   "when no token is of this version.",
+    "mismatch_k1": "The same tokens' k1 estimate of that KL (mean log pi_behav - log pi_prox): unbiased too, of "
+                   "either sign, the figure some peers report (k3 is never negative and varies less).",
+    "reward_mean": "Mean reward of the sequences trained; in steps.jsonl it replaces the controller's mean over "
+                   "samples, which it equals unless an episode trained several sequences.",
+    "adv_abs_mean": "Mean absolute advantage over the sequences: 0 when no group has spread (trainer.advantage "
+                    "grpo or drgrpo).",
+    "skipped": "Mini-batches whose optimizer step was not taken (loss or gradient norm not finite); 0 normally.",
+    "seconds": "Wall seconds of the whole update in the trainer, publishing included.",
+    "prox_s": "Seconds of the no-grad pi_prox passes of the mini-batches after the first (0 with one).",
+    "publish_s": "Seconds publishing the new weights to the weight store.",
+    "reduce_s": "Seconds in the gradient all-reduces of a data-parallel trainer, the wait for the slowest "
+                "rank included (0 with one rank; on a GPU the reduction is queued, so mostly that wait).",
+}
+"""Trained.stats, each update's numbers (`_summary` and `train`): token means unless named
+otherwise, of the whole batch (summed, min and max over the ranks); steps.jsonl rows carry them."""
 
 SFT_STATS = ("loss", "entropy", "grad_norm", "tokens", "computed_tokens", "seqs", "seconds", "publish_s",
              "reduce_s", "skipped")

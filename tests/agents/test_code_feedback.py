@@ -1,12 +1,12 @@
-"""rewards/code_feedback.py: a failing program gets the failure's reason as a user turn and another
+"""agents/code_feedback.py: a failing program gets the failure's reason as a user turn and another
 try; the verdict is the last program's, judged in the sandbox."""
 
 from __future__ import annotations
 
 import pytest
 
-from areal_aio.rewards.code_feedback import episode
-from areal_aio.tasks.episode import Bounds, Model
+from areal_aio.agents.code_feedback import episode
+from areal_aio.agents.model import Bounds, Model
 from areal_aio.tasks.task import Task
 from tests.conftest import ScriptedReplies
 

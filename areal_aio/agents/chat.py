@@ -1,5 +1,5 @@
 """OpenAI chat completions as replies of an episode's Model: the request's checks, the rule that
-keeps token-in/token-out, tool calls, and the response. No HTTP here (control/endpoint.py
+keeps token-in/token-out, tool calls, and the response. No HTTP here (agents/endpoint.py
 serves it); what a call means is decided here, so it is tested without a socket.
 
 Token-in/token-out. A Conversation keeps the messages of its current sequence as the agent will
@@ -9,7 +9,7 @@ the same `tools`) continues the sequence: the new turns go to `model.add_turn` a
 comes from the exact ids so far; what the model generated is never tokenized again. Any other
 request (the agent rewrote, truncated or branched its history, changed its tools, or added an
 assistant turn of its own) starts a new sequence from its messages (`Model.start`); each
-sequence trains as its own sample with the episode's reward (control/episodes.py).
+sequence trains as its own sample with the episode's reward (agents/episodes.py).
 
 Compared as the agent echoes them: content None and "" alike, content parts joined, a tool
 call's arguments as parsed JSON (a framework that re-serializes them with other spacing still
@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from areal_aio.tasks.episode import EpisodeLimit, Model
+from areal_aio.agents.model import EpisodeLimit, Model
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TURN_ROLES = ("system", "user", "tool")

@@ -1,7 +1,7 @@
-"""The calculator episode (tasks/calculator.py) written with an agent framework: smolagents'
+"""The calculator episode (agents/calculator.py) written with an agent framework: smolagents'
 ToolCallingAgent, its OpenAIModel pointed at the episode's own endpoint URL
-(control/endpoint.py), as an agent built with the framework for any OpenAI-compatible server
-would be. task.episode = "areal_aio.tasks.calculator_smolagents:episode" trains it.
+(agents/endpoint.py), as an agent built with the framework for any OpenAI-compatible server
+would be. task.episode = "areal_aio.agents.calculator_smolagents:episode" trains it.
 
 smolagents is the lightest framework that takes a base URL: one 160 KB wheel next to what
 areal_aio installs (openai-agents brings mcp and cryptography, langchain-openai brings
@@ -28,8 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from smolagents import OpenAIModel, ToolCallingAgent, tool
 from smolagents.monitoring import LogLevel
 
-from areal_aio.tasks.calculator import calculate
-from areal_aio.tasks.episode import Model
+from areal_aio.agents.calculator import calculate
+from areal_aio.agents.model import Model
 from areal_aio.tasks.task import Task, same_answer
 
 MAX_STEPS = 3

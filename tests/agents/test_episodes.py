@@ -1,4 +1,4 @@
-"""Multi-turn episodes (control/episodes.py) against the fake workers: the one sequence an episode
+"""Multi-turn episodes (agents/episodes.py) against the fake workers: the one sequence an episode
 trains (exact ids, mask, log-probs, versions), staleness over trained tokens, bounds and failures
 (scored 0, counted), stop and cancel mid-episode, restarts, resume; the docs' example (docs/episodes.md) on
 the real workers (slow)."""
@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from areal_aio import wire
-from areal_aio.control import episodes
+from areal_aio.agents import episodes
 from areal_aio.control.controller import Orchestrator
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer, prompt_ids
 from areal_aio.settings import SettingsError, build_settings
@@ -298,7 +298,7 @@ async def test_a_run_whose_every_episode_fails_stops_naming_the_episode(tmp_path
     with pytest.raises(EpisodesFailing) as info:  # as itself, as a worker's failure is
         await orch.run()
     assert asyncio.get_running_loop().time() - t0 < 5
-    name = f"tests.control.test_episodes:{episode.__name__}"
+    name = f"tests.agents.test_episodes:{episode.__name__}"
     assert cause(info.value).startswith(f"EpisodesFailing: every episode failed, {FAILING_GROUPS_TO_STOP} "
                                         f"groups in a row: {name} {why}")
     summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
@@ -443,7 +443,7 @@ async def test_the_code_feedback_episode_trains_a_fixed_program_with_its_feedbac
 
     trainer = FakeTrainer()
     settings = make_settings("areal", **{"run.max_steps": 2, "task.eval_every": 2,
-                                         "task.episode": "areal_aio.rewards.code_feedback:episode",
+                                         "task.episode": "areal_aio.agents.code_feedback:episode",
                                          "controller.reward_procs": 1})
     summary = await Orchestrator(settings, tasks=code_tasks(), eval_set=list(code_tasks(2, start=100)),
                                  out_dir=tmp_path / "run", rollout=FakeRollout(policy=first, continuation=fixed),
@@ -560,7 +560,7 @@ def test_task_episode_is_checked_like_task_reward(tmp_path):
                      trainer=FakeTrainer())
     with pytest.raises(SettingsError, match="task.episode"):
         build_settings({}, ["task.episode=not a spec"])
-    settings = build_settings({}, ["task.episode=areal_aio.tasks.calculator:calculate"])
+    settings = build_settings({}, ["task.episode=areal_aio.agents.calculator:calculate"])
     with pytest.raises(SettingsError, match="task.episode: .* not an async function"):
         episodes.load_episode(settings.task.episode)
     with pytest.raises(SettingsError, match="task.episode: cannot import 'no_such_module'"):

@@ -1,5 +1,5 @@
 """The OpenAI-compatible endpoint: an HTTP server in the controller's own event loop (aiohttp),
-one base URL per episode, each call a reply of that episode's Model (tasks/chat.py).
+one base URL per episode, each call a reply of that episode's Model (agents/chat.py).
 
     agent --POST /<episode id>/v1/chat/completions--> [aiohttp handler task]
         key? (401) -> episode id: live (else 404; ended: 410) -> body (413, 400) -> its queue
@@ -21,8 +21,9 @@ episode that ends takes its calls in flight with it (410, their replies aborted)
 known (ENDED_KEPT) so a late call gets 410, not 404. A stop or a weight update mid-call is not
 seen by the client: groups' _reply resubmits an aborted reply (on_interrupt = restart), and a
 continued one returns with its tokens' versions. Every error is OpenAI's error JSON and counted
-by status, as every completion is, in the run's counts (stats.Counts.answered: summary.json's
-endpoint_calls and endpoint_errors); nothing a client sends reaches the loop's other tasks.
+by status, as every completion is, in the counts the controller hands it (`Answered`: the run's
+control/stats.py Counts, summary.json's endpoint_calls and endpoint_errors); nothing a client
+sends reaches the loop's other tasks.
 """
 
 from __future__ import annotations
@@ -37,15 +38,15 @@ import socket
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from areal_aio.control.stats import Counts
+from areal_aio.agents.chat import ChatError, ChatRequest, Conversation
+from areal_aio.agents.model import Model
 from areal_aio.settings import EndpointSettings, SettingsError
-from areal_aio.tasks.chat import ChatError, ChatRequest, Conversation
-from areal_aio.tasks.episode import Model
 
 ENDED_KEPT = 65536
 """Ids of ended episodes remembered (oldest forgotten first): a late call gets 410, not 404."""
@@ -59,6 +60,21 @@ default of 128 the kernel drops the SYNs and each client retries after 1 s, then
 
 CURRENT: contextvars.ContextVar[Endpoint | None] = contextvars.ContextVar("areal_aio_endpoint", default=None)
 """The endpoint of the run whose task this is (set by `serving`, inherited by the run's tasks)."""
+
+
+class Answered(Protocol):
+    """Who counts the endpoint's answers: the run's counts (control/stats.py Counts), handed in
+    by the controller; the endpoint never imports the controller."""
+
+    def answered(self, status: int) -> None:
+        """A chat completion answered (200), or any request answered with an error (`status`)."""
+
+
+class _Uncounted:
+    """The counts of an endpoint started on its own (a test, a benchmark): none kept."""
+
+    def answered(self, status: int) -> None:
+        pass
 
 
 @dataclass(slots=True)
@@ -75,11 +91,11 @@ class Served:
 class Endpoint:
     """The server and the episodes it serves (by id)."""
 
-    def __init__(self, settings: EndpointSettings, key: str = "", counts: Counts | None = None) -> None:
+    def __init__(self, settings: EndpointSettings, key: str = "", counts: Answered | None = None) -> None:
         self.settings = settings
         self.key = key
         self._authorization = f"Bearer {key}".encode()  # the header a request must carry (key set)
-        self.counts = counts if counts is not None else Counts()  # its answers: the run's counts
+        self.counts = counts if counts is not None else _Uncounted()  # its answers: the run's counts
         self.port = 0
         self.root = ""  # http://host:port, set by start
         self.live: dict[str, Served] = {}
@@ -231,7 +247,7 @@ class _ServerReports(logging.Handler):
     """aiohttp's own reports (Endpoint._server_log): a request it could not parse is a counted
     client error; anything else reaches the loop's exception handler."""
 
-    def __init__(self, counts: Counts) -> None:
+    def __init__(self, counts: Answered) -> None:
         super().__init__()
         self.counts = counts
 
@@ -269,7 +285,7 @@ def key_of(settings: EndpointSettings) -> str:
 
 
 @contextlib.asynccontextmanager
-async def serving(settings: EndpointSettings, episodes: bool, counts: Counts) -> AsyncIterator[Endpoint | None]:
+async def serving(settings: EndpointSettings, episodes: bool, counts: Answered) -> AsyncIterator[Endpoint | None]:
     """Serve the endpoint for the block (an episode run with endpoint.enabled; else None): the
     tasks created in it find it through CURRENT; its answers are counted in `counts`."""
     if not (episodes and settings.enabled):

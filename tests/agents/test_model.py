@@ -1,4 +1,4 @@
-"""tasks/episode.py: what an episode adds is held to its token bound before it reaches the
+"""agents/model.py: what an episode adds is held to its token bound before it reaches the
 sample (its ids), the worker (its text) and the record (an excerpt); fake workers."""
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ import orjson
 import pytest
 
 from areal_aio import wire
-from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
-from areal_aio.tasks.episode import (
+from areal_aio.agents.model import (
     RECORD_TEXT_CHARS,
     TURN_BYTES_PER_TOKEN,
     Bounds,
@@ -18,6 +17,7 @@ from areal_aio.tasks.episode import (
     Model,
     excerpt,
 )
+from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
 from tests.conftest import make_settings, orchestrator
 
 

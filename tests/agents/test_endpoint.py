@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoint (control/endpoint.py) through the real `openai` client: bad
+"""The OpenAI-compatible endpoint (agents/endpoint.py) through the real `openai` client: bad
 input and load answered with OpenAI's error JSON and a 4xx, never a stalled or crashed loop; the
 calculator episode written with openai tool calling, trained against the fake workers, its
 trained tokens those of the same episode through model.reply(); the slow test trains it on the
@@ -17,17 +17,17 @@ import openai
 import pytest
 
 from areal_aio import wire
-from areal_aio.control import endpoint
+from areal_aio.agents import calculator_openai, chat, endpoint
+from areal_aio.agents.calculator import calculate
+from areal_aio.agents.endpoint import Endpoint
+from areal_aio.agents.model import Bounds, Model
 from areal_aio.control.controller import Orchestrator
-from areal_aio.control.endpoint import Endpoint
+from areal_aio.control.stats import Counts
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer, prompt_ids
 from areal_aio.settings import EndpointSettings, SettingsError, build_settings
-from areal_aio.tasks import calculator_openai, chat
-from areal_aio.tasks.calculator import calculate
-from areal_aio.tasks.episode import Bounds, Model
 from areal_aio.tasks.task import Task
+from tests.agents.test_episodes import rows
 from tests.conftest import ROOT, make_settings, orchestrator
-from tests.control.test_episodes import rows
 
 USER = [{"role": "user", "content": "What is 2 + 3?"}]
 TASK = Task("t0", "What is 2 + 3?", "5")
@@ -60,7 +60,7 @@ class Gate:
 @pytest.fixture
 async def served():
     """A started endpoint (small limits) and one model it serves: (endpoint, model, gate, url)."""
-    ep = Endpoint(EndpointSettings(max_body_bytes=4096, max_concurrent=2))
+    ep = Endpoint(EndpointSettings(max_body_bytes=4096, max_concurrent=2), counts=Counts())
     await ep.start()
     gate = Gate()
     model = Model(Bounds(4, 1000, 60.0, 64), gate)
@@ -420,7 +420,7 @@ async def test_eval_and_sft_play_an_openai_agent_through_the_endpoint(tmp_path, 
     from areal_aio.control.evaluation import greedy_episodes
     from areal_aio.rewards.scoring import Scorer, load_rewards
 
-    settings = build_settings({}, ["task.name=calculator", "task.episode=areal_aio.tasks.calculator_openai:episode"])
+    settings = build_settings({}, ["task.name=calculator", "task.episode=areal_aio.agents.calculator_openai:episode"])
     tasks = [Task(f"e{i}", f"Calculate {i} + 3.", str(i + 3)) for i in range(3)]
     scorer = Scorer(load_rewards(settings.task), timeout_s=5.0, procs=0)
     rollout = FakeRollout(policy=tool_call_policy, continuation=answer_tool_value, tokens=6)

@@ -1,9 +1,9 @@
 """Playing episodes: which episode a run plays (task.episode, or the calculator's for task.name =
 calculator), loading it, and playing one under its wall bound, for training and the held-out eval.
 
-What an episode talks to (`Model`), its bounds and the sequence it trains are tasks/episode.py's,
-below the tasks whose episodes use them. The loop builds them through this module as well
-(`episodes.Model`, `episodes.Bounds`, `episodes.ReplyRequest`), so `__all__` names them.
+What an episode talks to (`Model`), its bounds and the sequence it trains are agents/model.py's.
+The loop builds them through this module as well (`episodes.Model`, `episodes.Bounds`,
+`episodes.ReplyRequest`), so `__all__` names them.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from areal_aio import wire
-from areal_aio.control import endpoint
+from areal_aio.agents import endpoint
+from areal_aio.agents.model import Bounds, Episode, Model, ReplyRequest
 from areal_aio.rewards.scoring import FAILED, Score, as_score, import_reward
 from areal_aio.settings import Settings, SettingsError
-from areal_aio.tasks.episode import Bounds, Episode, Model, ReplyRequest
 from areal_aio.tasks.task import Task
 
 __all__ = ["CALCULATOR", "KEY", "Bounds", "Episode", "Model", "NoReply", "ReplyRequest", "Sequence", "episode_spec",
            "load_episode", "name_of", "no_reply", "play", "sequences", "why_failed"]
 
 KEY = "task.episode"
-CALCULATOR = "areal_aio.tasks.calculator:episode"
+CALCULATOR = "areal_aio.agents.calculator:episode"
 """What task.name = calculator runs when task.episode is empty."""
 
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from areal_aio.rewards import code_tasks
 from areal_aio.rewards.code import judge, reward
-from areal_aio.rewards.code_tasks import (
+from areal_aio.tasks import code_tasks
+from areal_aio.tasks.code_tasks import (
     code_item,
     code_stream,
     code_stream_async,

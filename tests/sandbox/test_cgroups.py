@@ -1,4 +1,4 @@
-"""areal_aio/rewards/cgroups.py: finding where a run's cgroup can be made (parsed from the
+"""areal_aio/sandbox/cgroups.py: finding where a run's cgroup can be made (parsed from the
 kernel's own files), and one run's cgroup made, limited and removed."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_aio.rewards import cgroups
+from areal_aio.sandbox import cgroups
 
 MOUNTINFO = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755

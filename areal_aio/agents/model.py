@@ -2,7 +2,7 @@
 one sequence it trains.
 
 An episode is a piece of the user's asyncio code that talks to the policy several times. The
-controller runs each sample of a group as one asyncio task and plays it (control/episodes.py); the
+controller runs each sample of a group as one asyncio task and plays it (agents/episodes.py); the
 episode gets a `Model` and calls:
 
     await model.reply()            -> one Generate to the rollout workers, awaits its Completion,
@@ -181,10 +181,10 @@ class Transcript:
 class Model:
     """What an episode talks to: the policy, one reply at a time, and the turns between replies.
 
-    Served by the OpenAI-compatible endpoint (control/endpoint.py, docs/agents.md) while its
+    Served by the OpenAI-compatible endpoint (agents/endpoint.py, docs/agents.md) while its
     episode plays: `base_url` is the episode's own URL there and `openai()` a client bound to it;
     both None / an error where no endpoint runs (endpoint.enabled = false). A call through the
-    endpoint is a reply of this Model (tasks/chat.py); a call that rewrites the conversation
+    endpoint is a reply of this Model (agents/chat.py); a call that rewrites the conversation
     starts a new sequence (`start`), and every sequence trains as a sample (`sequences`)."""
 
     def __init__(self, bounds: Bounds, request: Request) -> None:

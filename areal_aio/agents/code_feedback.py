@@ -1,6 +1,6 @@
-"""Code with execution feedback: an episode for the code tasks (rewards/code_tasks.py, or JSONL
-rows with tests), task.episode = "areal_aio.rewards.code_feedback:episode". It lives with the judge it
-runs; the Model it talks to is tasks/episode.py's.
+"""Code with execution feedback: an episode for the code tasks (tasks/code_tasks.py, or JSONL
+rows with tests), task.episode = "areal_aio.agents.code_feedback:episode". It runs the code
+reward's judge between replies; the Model it talks to is agents/model.py's.
 
 The model writes the program; it is judged in the sandbox (rewards/code.py `judge`: each run
 isolated there, the verdict computed outside it). While it fails and replies are left
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import asyncio
 
+from areal_aio.agents.model import Model
 from areal_aio.rewards.code import judge
 from areal_aio.rewards.scoring import Score
-from areal_aio.tasks.episode import Model
 from areal_aio.tasks.task import Task
 
 FEEDBACK = ("The program failed the tests: {why}. Fix it and reply with the whole program in one "

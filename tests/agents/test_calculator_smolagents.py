@@ -1,4 +1,4 @@
-"""The calculator episode written with smolagents (tasks/calculator_smolagents.py) against the
+"""The calculator episode written with smolagents (agents/calculator_smolagents.py) against the
 endpoint: on the fake workers its tool call and final answer go through and are rewarded, each
 call its own trained sequence; the slow test trains it on the real workers (tiny-random)."""
 
@@ -9,10 +9,10 @@ import json
 
 import pytest
 
+from areal_aio.agents import calculator_smolagents
 from areal_aio.control.controller import Orchestrator
-from areal_aio.tasks import calculator_smolagents
-from tests.control.test_endpoint import real_settings, trained
-from tests.control.test_episodes import rows
+from tests.agents.test_endpoint import real_settings, trained
+from tests.agents.test_episodes import rows
 
 
 def agent_policy(prompt: str, version: int) -> str:

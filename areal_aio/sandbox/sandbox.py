@@ -20,7 +20,7 @@
 
 The verdict is never decided by the program: `run` returns what was written (stdout, and fd 3:
 the program's results, or the driver's verdict) and the caller compares that with expected
-values that never enter the program's process (rewards/code.py).
+values that never enter the program's process (sandbox/programs.py).
 
 One configuration is accepted, probed once per process (`layers()`): namespaces (util-linux
 `unshare`; root, or unprivileged user namespaces) with the new root, and a program holding no
@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areal_aio.rewards import cgroups
+from areal_aio.sandbox import cgroups
 
 WALL_S = 4.0
 """Default wall-clock limit of one program (seconds)."""

@@ -1,7 +1,7 @@
-"""The calculator episode (tasks/calculator.py) written against the OpenAI API: the `openai`
-package's tool calling through the episode's own endpoint URL (control/endpoint.py), as an
+"""The calculator episode (agents/calculator.py) written against the OpenAI API: the `openai`
+package's tool calling through the episode's own endpoint URL (agents/endpoint.py), as an
 agent written for any OpenAI-compatible server would be. task.episode =
-"areal_aio.tasks.calculator_openai:episode" trains it; what it trains is the same kind of
+"areal_aio.agents.calculator_openai:episode" trains it; what it trains is the same kind of
 sequence as the Model-API episode's: replies in the loss, tool turns in the context only.
 
 Needs pip install openai (the `openai` extra)."""
@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from areal_aio.tasks.calculator import calculate
-from areal_aio.tasks.episode import Model
+from areal_aio.agents.calculator import calculate
+from areal_aio.agents.model import Model
 from areal_aio.tasks.task import Task
 
 TOOLS = [{"type": "function", "function": {

