@@ -132,4 +132,7 @@ def become_worker(request: dict[str, Any], fds: list[int], sock: socket.socket) 
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv))
+    code = main(sys.argv)
+    sys.stderr.flush()
+    os._exit(code)  # at once: unloading torch, transformers and sympy takes seconds, and a worker
+    # whose controller died waits ORPHAN_WAIT_S for this process's end before it cleans up
