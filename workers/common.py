@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from areal_aio import wire
+from areal_aio.store.weights import pid_alive
 
 EOF = object()
 """Put on the inbox when the controller's end of the pipe closes."""
@@ -174,24 +175,13 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def ended(pid: int) -> bool:
-    """Whether process `pid` is gone (reaped; a zombie still counts as there)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
 def remove_orphaned_store(shm_dir: str, parent: int, controller: int) -> None:
     """The run's /dev/shm folder, removed once the controller that owns it is surely gone (this
     process was reparented: its parent was the controller, or the zygote, which exits with it;
     or, forked, the controller's pid is gone) and the folder is the controller's (owner.pid):
     both workers may try."""
     deadline = time.monotonic() + ORPHAN_WAIT_S
-    while os.getppid() == parent and not (controller != parent and ended(controller)):
+    while os.getppid() == parent and not (controller != parent and not pid_alive(controller)):
         if time.monotonic() > deadline:
             return  # the controller lives: it closed the pipe and removes the folder itself
         time.sleep(0.01)

@@ -33,7 +33,8 @@ OWNERLESS_GRACE_S = 60.0
 """A run folder without owner.pid is swept only once this old (it may be mid-`create`)."""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (a zombie counts; another user's too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -63,7 +64,7 @@ def sweep_dead_runs(base: Path = SHM_BASE) -> list[Path]:
                     continue
             except FileNotFoundError:
                 continue
-        elif _pid_alive(pid):
+        elif pid_alive(pid):
             continue
         _remove(run)
         removed.append(run)
