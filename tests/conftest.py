@@ -268,3 +268,19 @@ class Jitter:
 
     def token_delay(self, request_id):
         return self.rng.choice([0.0, 0.0005, 0.002, 0.006])
+
+
+def load_hook(path: Path):
+    """A docs hook (docs/hooks/) as MkDocs loads it: its folder on sys.path while it runs, so it
+    can import the hooks' shared module."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module

@@ -6,7 +6,6 @@ plot under bench/results/ is shown on a page."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import posixpath
 import re
@@ -18,7 +17,7 @@ import pytest
 import yaml
 
 from areal_aio.settings import SECTIONS
-from tests.conftest import ROOT
+from tests.conftest import ROOT, load_hook
 
 DOCS = ROOT / "docs"
 HOOK = DOCS / "hooks" / "settings_reference.py"
@@ -36,13 +35,6 @@ REPO_PATH = re.compile(r"(?<![\w/.-])(?!bench/out/)((?:bench|tests|areal_aio|wor
 """A file of the repository named in the docs or the README (bench/results/..., a bench script,
 a test, a module; not bench/out/, where a bench writes): mkdocs does not check these, since
 they lie outside docs/."""
-
-
-def load_hook(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def reference_module():

@@ -8,7 +8,6 @@ in-process on embedded:tiny-random."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,16 +20,13 @@ from areal_aio.control import evaluation, stats
 from areal_aio.control.controller import Orchestrator
 from areal_aio.fleet.fakes import FakeRollout, FakeTrainer
 from areal_aio.rewards.scoring import AnswerReward, Reward
-from tests.conftest import ROOT, make_settings, orchestrator, tasks, trainer_settings
+from tests.conftest import ROOT, load_hook, make_settings, orchestrator, tasks, trainer_settings
 
 HOOK = ROOT / "docs" / "hooks" / "metrics_reference.py"
 
 
 def reference_module():
-    spec = importlib.util.spec_from_file_location("metrics_reference", HOOK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_hook(HOOK)
 
 
 hook = reference_module()

@@ -12,11 +12,12 @@ whose description does not is in every row of its kind. A field named with `<...
 
 from __future__ import annotations
 
-import html
 import re
 from collections.abc import Iterable
 from types import ModuleType
 from typing import Any, NamedTuple
+
+from reference_tables import cell, fill
 
 from areal_aio.app import trackers
 from areal_aio.control import controller, evaluation, keeping, stats
@@ -143,13 +144,13 @@ def reference() -> str:
     out = []
     for t in TABLES:
         where = ", ".join(f"`{s.where}`" for s in t.sources)
-        out += [f"{'#' * t.level} {t.title} {{#{t.anchor}}}", "", f"{_cell(t.about)} Described in {where}.", ""]
+        out += [f"{'#' * t.level} {t.title} {{#{t.anchor}}}", "", f"{cell(t.about)} Described in {where}.", ""]
         several = len({s.writer for s in t.sources}) > 1
         out += ["| field | written by | meaning |", "| --- | --- | --- |"] if several else \
             ["| field | meaning |", "| --- | --- |"]
         for s in t.sources:
             for key, doc in s.fields.items():
-                out.append(f"| `{key}` | {s.writer} | {_cell(doc)} |" if several else f"| `{key}` | {_cell(doc)} |")
+                out.append(f"| `{key}` | {s.writer} | {cell(doc)} |" if several else f"| `{key}` | {cell(doc)} |")
         out.append("")
     out += ["### Tracker names {#trackers}", "",
             "What `run.report_to` sends, by the row field each name carries (`areal_aio.app.trackers`). Any "
@@ -162,14 +163,5 @@ def reference() -> str:
     return "\n".join(out)
 
 
-def _cell(text: str) -> str:
-    """Text safe inside a table cell: no raw HTML (`<name>` stays visible), no column breaks."""
-    return html.escape(text, quote=False).replace("|", "\\|").replace("\n", " ")
-
-
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
-    if page.file.src_uri != PAGE:
-        return markdown
-    if MARKER not in markdown:
-        raise ValueError(f"{PAGE} lost its {MARKER} line: the metrics reference goes there")
-    return markdown.replace(MARKER, reference())
+    return fill(markdown, page, PAGE, MARKER, "metrics", reference)

@@ -8,8 +8,9 @@ per section. A key whose field carries no description stops the build (and tests
 from __future__ import annotations
 
 import dataclasses
-import html
 from typing import Any, get_type_hints
+
+from reference_tables import cell, fill
 
 from areal_aio.settings import SECTIONS, bounds, toml_value
 
@@ -35,13 +36,13 @@ def reference() -> str:
     for name, cls in SECTIONS.items():
         out += [f"### `[{name}]`", ""]
         if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("):  # not the generated one
-            out += [_cell(" ".join(cls.__doc__.split())), ""]
+            out += [cell(" ".join(cls.__doc__.split())), ""]
         out += ["| key | type | default | allowed | meaning |", "| --- | --- | --- | --- | --- |"]
         hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             out.append(f"| `{name}.{f.name}` | {_type(hints[f.name])} | `{toml_value(default)}` "
-                       f"| {_allowed(f.metadata, hints[f.name])} | {_cell(f.metadata['doc'])} |")
+                       f"| {_allowed(f.metadata, hints[f.name])} | {cell(f.metadata['doc'])} |")
         out.append("")
     return "\n".join(out)
 
@@ -56,23 +57,14 @@ def _allowed(meta: Any, kind: Any) -> str:
     if meta.get("choices"):
         return ", ".join(f"`{c}`" for c in meta["choices"])
     if limits := bounds(meta):
-        return _cell(", ".join(limits))
+        return cell(", ".join(limits))
     parse = meta.get("parse")
     if parse is not None and ": " in (first := " ".join((parse.__doc__ or "").split()).split(". ")[0]):
-        return _cell(first.split(": ", 1)[1].rstrip("."))  # "key: what it takes. How it is checked."
+        return cell(first.split(": ", 1)[1].rstrip("."))  # "key: what it takes. How it is checked."
     if kind is float:
         return "any finite number"
     return "see meaning"
 
 
-def _cell(text: str) -> str:
-    """Text safe inside a table cell: no raw HTML (`<answer>` stays visible), no column breaks."""
-    return html.escape(text, quote=False).replace("|", "\\|").replace("\n", " ")
-
-
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
-    if page.file.src_uri != PAGE:
-        return markdown
-    if MARKER not in markdown:
-        raise ValueError(f"{PAGE} lost its {MARKER} line: the settings reference goes there")
-    return markdown.replace(MARKER, reference())
+    return fill(markdown, page, PAGE, MARKER, "settings", reference)
