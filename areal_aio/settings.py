@@ -214,6 +214,18 @@ def episode_value(key: str, value: Any) -> str:
     return value
 
 
+GUIDES = ("off", "tag", "reference", "both")
+"""task.guide's built-in guides (areal_aio/control/guidance.py)."""
+
+
+def guide_value(key: str, value: Any) -> str:
+    """task.guide as given: a built-in guide or "package.module:function" (imported at start)."""
+    if not isinstance(value, str) or (value not in GUIDES and not REWARD_SPEC.fullmatch(value)):
+        raise SettingsError(f"{key}: expected one of {', '.join(GUIDES)} or \"package.module:function\", "
+                            f"got {value!r}")
+    return value
+
+
 def not_moved(key: str, spec: str) -> None:
     """SettingsError naming the new name of a built-in function that moved (MOVED)."""
     if spec in MOVED:
@@ -232,6 +244,7 @@ class TaskSettings:
     eval_seed: int = opt(10_000, "Seed of the held-out eval set; must differ from run.seed.", ge=0)
     eval_every: int = opt(5, "Evaluate every this many trainer steps (and at step 0 and the end).", ge=1)
     format_bonus: float = opt(0.2, "Extra reward for an <answer> tag, paid only when the answer is also correct.", ge=0)
+    guide: str = opt("off", "Guided groups (areal_aio/control/guidance.py): replies a group gets besides the sampled ones, trained in it with importance weight 1 (their tokens were written, not sampled) and counted apart (steps.jsonl `guided`; left out of the step's rates). off | tag (a group with a correct untagged reply and no correct tagged one gets that reply with the tagged answer after it: the format bonus then has a member to pay) | reference (a group whose every reply fails gets the task's reference reply: arithmetic and the generated code tasks) | both | \"package.module:function\" called as fn(task, replies, passed) -> list of reply texts. One-reply tasks only (not episodes, not process.mode).", parse=guide_value)
     overlong_buffer: int = opt(0, "DAPO's soft overlong penalty: a training reply longer than rollout.max_new_tokens - overlong_buffer tokens loses overlong_penalty x (its tokens past that) / overlong_buffer, up to overlong_penalty at max_new_tokens; 0 = off. Single replies only (an episode's are not shaped); evals are never shaped.", ge=0)
     overlong_penalty: float = opt(1.0, "The most the overlong penalty takes (at rollout.max_new_tokens).", ge=0)
     episode: str = opt("", "A multi-turn episode: \"package.module:function\" naming an `async def episode(task, model)` that calls `await model.reply()` as often as it likes, adds tool or environment turns between replies with model.add_turn(role, text), and returns its reward (float or Score) or None (task.reward scores the last reply). One trained sequence per episode, the added turns masked out of the loss (areal_aio/agents/episodes.py). \"\" = one reply per task (task.name = calculator: its calculator episode). Built in besides: \"areal_aio.agents.code_feedback:episode\" (code tasks: a failing program sees why and tries again).", parse=episode_value)

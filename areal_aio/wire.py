@@ -170,7 +170,8 @@ class TrainSample:
 
     An episode's (areal_aio/agents/model.py) completion_ids hold its replies and the turns
     between them; `loss_mask` marks the replies' tokens, the only ones trained: the turns'
-    logprobs and versions are placeholders, never read."""
+    logprobs and versions are placeholders, never read. A guided member's (task.guide:
+    areal_aio/control/guidance.py) tokens were `written`: no sampler drew them."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -179,6 +180,8 @@ class TrainSample:
     reward: float
     group: int  # samples of one prompt share a group (GRPO normalization)
     loss_mask: list[int] | None = None  # per completion token: 1 trained, 0 context only; None: all 1
+    written: int = 0  # the last this many completion tokens were written, not sampled (a guided member):
+    # their logprobs are placeholders; the trainer takes their behaviour log-prob to be its pi_prox
 
 
 @dataclass(frozen=True, slots=True)

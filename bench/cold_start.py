@@ -9,7 +9,9 @@ exactly as a user's does), the cells strictly one after another: arm `cold`, 20 
 task's reference replies (`sft.data=generated`), arm `cold4` the same for 4 steps, arms `sampled`
 and `sampled4`, 20 and 4 steps on the model's own passing replies (`sft.data=sampled`) drawn at
 temperature 1.0, arm `sampled07` 20 steps on replies drawn at 0.7 (the rollouts' own), arm
-`plain` with `sft.before_run=off`; the seed is run.seed, the threshold
+`plain` with `sft.before_run=off`, arm `guided` without a cold start and with `task.guide=tag`
+(a group's correct untagged reply gets a tagged copy as a member: the tag taught inside RL),
+`guided_both` with `task.guide=both` (and the reference reply for a group that failed); the seed is run.seed, the threshold
 run.threshold (the run stops at the first eval at or above it), --max-wall-s run.max_wall_s.
 
 Per cell: the cold start's wall time (sft/sft.json `wall_s`: the trainer worker's start, the
@@ -51,13 +53,16 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 
-ARMS = {"cold": ("sft.before_run=on", "sft.data=generated", "sft.steps=20"),
-        "cold4": ("sft.before_run=on", "sft.data=generated", "sft.steps=4"),
-        "sampled": ("sft.before_run=on", "sft.data=sampled", "sft.steps=20", "sft.temperature=1.0"),
-        "sampled4": ("sft.before_run=on", "sft.data=sampled", "sft.steps=4", "sft.temperature=1.0"),
-        "sampled07": ("sft.before_run=on", "sft.data=sampled", "sft.steps=20", "sft.temperature=0.7"),
-        "plain": ("sft.before_run=off",)}
-"""Each arm's cold start, pinned whatever sft.data and sft.steps default to."""
+ARMS = {"cold": ("sft.before_run=on", "sft.data=generated", "sft.steps=20", "task.guide=off"),
+        "cold4": ("sft.before_run=on", "sft.data=generated", "sft.steps=4", "task.guide=off"),
+        "sampled": ("sft.before_run=on", "sft.data=sampled", "sft.steps=20", "sft.temperature=1.0", "task.guide=off"),
+        "sampled4": ("sft.before_run=on", "sft.data=sampled", "sft.steps=4", "sft.temperature=1.0", "task.guide=off"),
+        "sampled07": ("sft.before_run=on", "sft.data=sampled", "sft.steps=20", "sft.temperature=0.7",
+                      "task.guide=off"),
+        "plain": ("sft.before_run=off", "task.guide=off"),
+        "guided": ("sft.before_run=off", "task.guide=tag"),
+        "guided_both": ("sft.before_run=off", "task.guide=both")}
+"""Each arm's cold start and guide, pinned whatever sft.data, sft.steps and task.guide default to."""
 QUICK = (*TINY_BATCH, "run.max_steps=4", "sft.steps=2", "sft.batch_size=4", "trainer.bf16=off")
 
 

@@ -93,6 +93,7 @@ def preflight(settings: Settings, out: str | Path | None = None, *, out_key: str
     check_task_data(settings)
     check_reward(settings, rows)
     check_episode(settings)
+    check_guide(settings)
     check_endpoint(settings)
     check_sandbox(settings)
     check_out(Path(out) if out is not None else Path(settings.run.out_dir),
@@ -169,6 +170,16 @@ def check_episode(settings: Settings) -> None:
         return
     try:
         load_episode(spec)
+    except SettingsError as exc:
+        raise PreflightError(str(exc)) from None
+
+
+def check_guide(settings: Settings) -> None:
+    """task.guide names a guide this run can use (control/guidance.py)."""
+    from areal_aio.control.guidance import load_guide
+
+    try:
+        load_guide(settings)
     except SettingsError as exc:
         raise PreflightError(str(exc)) from None
 

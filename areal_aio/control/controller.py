@@ -69,7 +69,7 @@ from typing import Any
 
 from areal_aio import wire
 from areal_aio.agents import endpoint, episodes
-from areal_aio.control import evaluation, keeping, stats
+from areal_aio.control import evaluation, guidance, keeping, stats
 from areal_aio.control.events import EventStream
 from areal_aio.control.groups import Groups
 from areal_aio.control.progress import Progress
@@ -203,7 +203,7 @@ class Orchestrator:
                              process=self._process, episode=self._episode, send=self._send_generates,
                              send_one=self._send_generate, abort=self._abort_soon,
                              spawn=lambda coro, name: self._tg.create_task(coro, name=name),
-                             next_group=at.next_group)
+                             guide=guidance.load_guide(settings), next_group=at.next_group)
         # held-out evals, their rows, the eval curve: areal_aio.control.evaluation
         self.evals = evaluation.Evaluator(
             settings, self._eval_set, self._episode, self.keeper, self.counts, send=self._send_generate,
@@ -467,13 +467,14 @@ class Orchestrator:
 
     async def _train_step(self, batch: list[Group], wait_s: float) -> None:
         samples = [s for g in batch for s in g.samples]
-        stale = [staleness(self.version, s.oldest_version) for s in samples]
+        stale = [staleness(self.version, s.oldest_version) for s in samples if not s.written]  # the admitted ones
         fresh = lambda c: not is_stale(self.version, c.oldest_version, self.eta)  # noqa: E731
         seqs = [(s, q, staleness(self.version, q.completion.oldest_version if q.completion.versions
                                  else s.oldest_version))
                 for s in samples for q in episodes.sequences(s.completion, s.loss_mask, s.model, fresh)]
         train_samples = [wire.TrainSample(q.completion.prompt_ids, q.completion.completion_ids, q.completion.logprobs,
-                                          q.completion.versions, s.score.reward, s.group_id, q.mask)
+                                          q.completion.versions, s.score.reward, s.group_id, q.mask,
+                                          written=s.written)
                          for s, q, _ in seqs]
         step = self.step + 1
         # committed by the link (self._commit) before it returns; a stop keeps it in flight
@@ -495,7 +496,7 @@ class Orchestrator:
             raise WorkerFailed("trainer", f"reported version {trained.version} after {self.version}")
         # Commit: the controller is the only writer of the clock, and tells the rollout workers only now.
         self.step = step
-        self.admission.commit(trained.version, len(samples))
+        self.admission.commit(trained.version, len(stale))  # guided members took no admission slot
         wall = time.perf_counter() - self._t0
         self._commit_wall[self.version] = wall
         self.keeper.retain()

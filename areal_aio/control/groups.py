@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from areal_aio import wire
 from areal_aio.agents import episodes
-from areal_aio.control import stats
+from areal_aio.control import guidance, stats
 from areal_aio.control.replay import Group, ReplayBuffer
 from areal_aio.control.staleness import Admission
 from areal_aio.rewards.scoring import Score, Scorer, overlong_penalty, shaped
@@ -83,6 +83,7 @@ class Sample:
     waiting: asyncio.Future | None = None  # an episode's reply in flight: its Completion
     failure: str | None = None  # an episode's failure (episodes.why_failed); None: it did not fail
     no_token_version: int = 0  # without a token (an episode that never replied): its group's oldest
+    written: int = 0  # a guided member (task.guide): its completion's tokens, all written, none sampled
 
     @property
     def oldest_version(self) -> int:
@@ -106,6 +107,7 @@ class PendingGroup:
     scored: int = 0
     dropped: bool = False
     episodes: list[asyncio.Task] = dataclasses.field(default_factory=list)  # its samples' episodes
+    guided: list[Sample] = dataclasses.field(default_factory=list)  # members a guide wrote (task.guide)
 
     @property
     def whole(self) -> bool:
@@ -131,7 +133,7 @@ class Groups:
                  send: Callable[[list[wire.Generate]], Awaitable[None]],
                  send_one: Callable[[wire.Generate], Awaitable[None]],
                  spawn: Callable[[Coroutine, str], asyncio.Task], abort: Callable[[str], None],
-                 next_group: int = 0) -> None:
+                 guide: guidance.Guide | None = None, next_group: int = 0) -> None:
         self.settings = settings
         self.size = settings.rollout.group_size
         self.admission = admission
@@ -140,6 +142,8 @@ class Groups:
         self._ready = ready
         self._process = process
         self.episode = episode
+        self.guide = guide
+        self._written: dict[str, asyncio.Future] = {}  # a guided member's text being tokenized, by request id
         self._send = send
         self._send_one = send_one
         self._spawn = spawn
@@ -193,6 +197,10 @@ class Groups:
 
     def completed(self, msg: wire.Completion, share: stats.WorkerShare) -> None:
         """A training request's Completion (what evals and continuations left), from `share`'s worker."""
+        if (tokenized := self._written.pop(msg.request_id, None)) is not None:
+            if not tokenized.done():
+                tokenized.set_result(msg)
+            return
         sample = self.requests.pop(msg.request_id, None)
         if sample is None:
             return  # an abort answer for a sample already given up
@@ -222,6 +230,8 @@ class Groups:
         """No more training rollouts: Completions from now on are ignored, every episode is
         cancelled (the caller aborts what is still in `requests`)."""
         self.closing = True
+        for future in self._written.values():
+            future.cancel()
         for group in self.pending.values():
             for task in group.episodes:
                 task.cancel()
@@ -335,15 +345,68 @@ class Groups:
         self.counts.scored(score)
         group.scored += 1
         if group.whole:
-            del self.pending[sample.group_id]
             if not _fill_no_replies(group.samples):
+                del self.pending[sample.group_id]
                 self.drop(group.samples, "episode")  # no episode replied: nothing to train
                 return
-            if self.skips(group.samples):
-                self.drop(group.samples, "uniform")
+            if self.guide is not None and self.episode is None:
+                self._spawn(self._guided(sample.group_id, group), f"guide-g{sample.group_id}")
                 return
-            self.replay.put(Group(sample.group_id, group.task, group.samples))
-            self._ready.set()
+            self._enter(sample.group_id, group)
+
+    def _enter(self, gid: int, group: PendingGroup) -> None:
+        """A whole group (its guided members in) leaves `pending`: dynamic sampling may skip it,
+        else it enters the replay buffer."""
+        del self.pending[gid]
+        if self.skips([*group.samples, *group.guided]):
+            self.drop(group.samples, "uniform")
+            return
+        self.replay.put(Group(gid, group.task, [*group.samples, *group.guided]))
+        self._ready.set()
+
+    # ------------------------------------------------------------------ guided
+
+    async def _guided(self, gid: int, group: PendingGroup) -> None:
+        """task.guide's members of a whole group (control/guidance.py): each text tokenized by a
+        rollout worker, ended with the EOS its sampled replies ended with, and scored; then the
+        group enters the buffer. A group none of whose replies ended with an EOS gets none."""
+        sampled = group.samples
+        texts = guidance.texts(self.guide, group.task, [s.completion.text for s in sampled],
+                               [s.score.passed for s in sampled])
+        eos = next((s.completion.completion_ids[-1] for s in sampled
+                    if s.completion.finish == "stop" and s.completion.completion_ids), None)
+        if texts and eos is not None:
+            for k, text in enumerate(texts):
+                member = await self._write(gid, group, len(sampled) + k, text, eos)
+                if member is None or group.dropped or self.closing:
+                    continue
+                member.score = await self.scorer.score(group.task, text)
+                self.counts.reward_failures += member.score.failed
+                group.guided.append(member)
+                self.counts.guided += 1
+        if not group.dropped and not self.closing and gid in self.pending:
+            self._enter(gid, group)
+
+    async def _write(self, gid: int, group: PendingGroup, index: int, text: str, eos: int) -> Sample | None:
+        """A guided member of group `gid`: `text` tokenized after the group's prompt by a rollout
+        worker (a Generate with no room to generate: its Completion holds the ids and nothing
+        sampled); None where the ids do not begin with the prompt's as they were sampled."""
+        rid = f"g{gid}.w{index}"
+        future = self._written[rid] = asyncio.get_running_loop().create_future()
+        await self._send_one(wire.Generate(rid, group.task.text, 1, 0.0, 1.0, None, group.task.messages,
+                                           prefix=text, max_context=1))
+        try:
+            msg = await future
+        finally:
+            self._written.pop(rid, None)
+        prompt = group.samples[0].completion.prompt_ids
+        if msg.prompt_ids[:len(prompt)] != prompt or len(msg.prompt_ids) == len(prompt):
+            return None
+        ids = [*msg.prompt_ids[len(prompt):], eos]
+        oldest = min(s.oldest_version for s in group.samples)
+        completion = wire.Completion(rid, list(prompt), ids, [0.0] * len(ids), [oldest] * len(ids), text, "stop",
+                                     0, 0.0)
+        return Sample(rid, gid, group.task, index, completion=completion, written=len(ids))
 
     def skips(self, samples: list[Sample]) -> bool:
         """Dynamic sampling (controller.dynamic_sampling): a whole group whose rewards are all
@@ -373,9 +436,10 @@ class Groups:
                 task.cancel()
 
     def drop(self, samples: list[Sample], why: str) -> None:
-        """Give the admission slots back and record the drop."""
-        self.admission.drop(len(samples))
-        self.counts.dropped(len(samples), why)
+        """Give the admission slots back and record the drop (a guided member took no slot)."""
+        admitted = sum(1 for s in samples if not s.written)
+        self.admission.drop(admitted)
+        self.counts.dropped(admitted, why)
         self.log.rows("samples", (stats.sample_row(s, dropped=why) for s in samples))
 
 

@@ -15,7 +15,7 @@ changes it and every row one place that builds it:
                                                            staleness_hist
     Counts.stepped     a step committed                   steps_skipped, skipped_in_a_row
     Counts.answered    the endpoint answered a call       endpoint_calls, endpoint_errors (by status)
-    (admitted, restarts, eval_tokens, lost_in_flight: one line each where they happen)
+    (admitted, restarts, eval_tokens, lost_in_flight, guided: one line each where they happen)
     WorkerShare        one rollout worker's part: its requests and training tokens
 
 Each row's fields are described beside the function that builds it (STEP_FIELDS, SAMPLE_FIELDS,
@@ -76,6 +76,7 @@ class Counts:
     steps_skipped: int = 0  # committed steps whose update the trainer skipped (not finite)
     skipped_in_a_row: int = 0  # the last steps_skipped, back to 0 at a step that updated
     endpoint_calls: int = 0  # chat completions the OpenAI-compatible endpoint answered (agents/endpoint.py)
+    guided: int = 0  # members task.guide wrote into groups (control/guidance.py): not admitted, not sampled
     endpoint_errors: dict[str, int] = field(default_factory=dict)  # its error answers by HTTP status ("429": n)
     staleness_hist: Counter = field(default_factory=Counter)
 
@@ -214,6 +215,8 @@ SAMPLE_FIELDS: dict[str, str] = {
                "batch formed), interrupt (restarted past controller.max_retries), episode (no episode of its "
                "group replied) or uniform (dynamic sampling: its group's rewards were equal).",
     "step": "The step that trained it; null on a dropped row.",
+    "guided": "Only on a guided member (task.guide): true. Its reply was written by the guide, not sampled; "
+              "it trained in its group with importance weight 1.",
     "tokens": "The reply's tokens (an episode's: its replies' and turns' ids); 0 when no reply came back.",
     "process": "Only with process.mode on: the process reward's record of this reply (see the table below).",
     "turns": "Only in an episode run: the episode's record, one entry per reply and per added turn: role, text, "
@@ -241,6 +244,7 @@ def sample_row(s: Any, *, staleness: int | None = None, step: int | None = None,
         "oldest_version": c.oldest_version if c else None, "newest_version": c.newest_version if c else None,
         "staleness": staleness, "interrupts": c.interrupts if c else None, "retries": s.retries,
         "dropped": dropped, "step": step, "tokens": len(c.completion_ids) if c else 0,
+        **({"guided": True} if getattr(s, "written", 0) else {}),
         **({"process": s.process} if s.process is not None else {}),
         **({"turns": turns} if turns else {})}
 
@@ -292,6 +296,8 @@ STEP_FIELDS: dict[str, str] = {
                    "advantage learns from.",
     "solved_frac": "Fraction of the batch's groups whose every reply passes.",
     "unsolved_frac": "Fraction of the batch's groups where no reply passes.",
+    "guided": "Guided members (task.guide) trained in this step's groups besides the sampled replies; the "
+              "rates above leave them out.",
     "staleness_max": "The batch's largest staleness: versions between a sample's oldest token and the policy "
                      "that trains it (at most the run's max_staleness, in summary.json).",
     "staleness_mean": "The batch's mean staleness.",
@@ -308,7 +314,10 @@ STEP_FIELDS: dict[str, str] = {
 
 def step_row(step: int, version: int, wall: float, train_s: float, wait_s: float, samples: Sequence[Any],
              stale: list[int], counts: Counts, trained: wire.Trained, **queues: int) -> dict[str, Any]:
-    """The steps.jsonl row of a committed step; `queues`: depths at the commit (replay_groups, in_flight)."""
+    """The steps.jsonl row of a committed step; `queues`: depths at the commit (replay_groups, in_flight).
+    Its rates are the sampled replies' (a guided member, task.guide, is counted in `guided` only)."""
+    guided = sum(1 for s in samples if getattr(s, "written", 0))
+    samples = [s for s in samples if not getattr(s, "written", 0)]
     scores = [s.score for s in samples]
     rewards = [sc.reward for sc in scores]
     return {"step": step, "version": version, "wall_s": round(wall, 3),
@@ -317,6 +326,7 @@ def step_row(step: int, version: int, wall: float, train_s: float, wait_s: float
             "pass_rate": sum(sc.passed for sc in scores) / len(samples),
             "strict_rate": sum(sc.strict for sc in scores) / len(samples),
             **group_fields((s.group_id, s.score.reward, s.score.passed) for s in samples),
+            "guided": guided,
             "staleness_max": max(stale), "staleness_mean": sum(stale) / len(stale),
             **queues,
             "gen_tokens_per_s": (counts.gen_tokens + counts.eval_tokens) / max(wall, 1e-9),
@@ -351,6 +361,8 @@ SUMMARY_FIELDS: dict[str, str] = {
     "samples_dropped_episode": "Samples of groups dropped because none of their episodes replied.",
     "samples_skipped_uniform": "Samples scored and not trained because their group's rewards were equal "
                                "(controller.dynamic_sampling).",
+    "samples_guided": "Members task.guide wrote into groups (a tagged copy of a correct reply, a reference "
+                      "reply): trained beside the sampled ones, never admitted, so not in samples_admitted.",
     "steps_skipped": "Steps whose update the trainer skipped: a loss or gradient norm that was not finite.",
     "endpoint_calls": "Chat completions the OpenAI-compatible endpoint answered (episode runs).",
     "endpoint_errors": "The endpoint's error answers by HTTP status, {\"429\": n, ...}; {} when none.",
@@ -411,7 +423,7 @@ def summarize(s: Settings, c: Counts, *, wall: float, steps: int, version: int, 
         "samples_unused": unused, "interrupts": c.interrupts, "restarts": c.restarts,
         "reward_failures": c.reward_failures, "episode_failures": c.episode_failures,
         "samples_dropped_episode": c.dropped_episode, "samples_skipped_uniform": c.skipped_uniform,
-        "steps_skipped": c.steps_skipped,
+        "steps_skipped": c.steps_skipped, "samples_guided": c.guided,
         "endpoint_calls": c.endpoint_calls, "endpoint_errors": dict(sorted(c.endpoint_errors.items())),
         "dynamic_sampling": s.controller.dynamic_sampling, "max_staleness_trained": max_trained_staleness,
         "lost_in_flight": c.lost_in_flight, "resumes": resumes,

@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from areal_aio import wire
+from areal_aio.control import guidance
 from areal_aio.control.groups import Groups
 from areal_aio.control.replay import ReplayBuffer
 from areal_aio.control.runlog import RunLog
@@ -38,7 +39,8 @@ class Harness:
         self.groups = Groups(self.settings, self.admission, self.counts, self.replay, self.ready,
                              process=StepCredit(self.settings, self.send, self.judge), episode=None,
                              send=self.send, send_one=self.send_one, spawn=self.spawn,
-                             abort=self.aborted.append, next_group=next_group)
+                             abort=self.aborted.append, guide=guidance.load_guide(self.settings),
+                             next_group=next_group)
         self.scorer = Scorer(load_rewards(self.settings.task), timeout_s=1.0, procs=0)
         self.groups.attach(self.log, self.scorer)
 
@@ -132,6 +134,86 @@ async def test_after_close_completions_are_ignored_and_episodes_cancelled(tmp_pa
     assert not h.replay and h.counts.generated == 0 and "g0.0" not in h.groups.requests
     with pytest.raises(asyncio.CancelledError):
         await hanging
+
+
+async def settled(h: Harness) -> None:
+    """Until the tasks the harness started (and the ones they start) are done."""
+    while not all(t.done() for t in h.spawned):
+        await asyncio.gather(*h.spawned)
+
+
+async def test_a_guide_adds_a_tagged_copy_of_a_correct_untagged_reply_tokenized_by_the_rollout_side(tmp_path):
+    h = Harness(tmp_path, **{"task.guide": "tag"})
+    task = next(tasks(1))
+    await h.groups.admit(0, task)
+    h.answer("g0.0", f"It is {task.answer}.")
+    h.answer("g0.1", "<answer>-1</answer>")
+    await asyncio.sleep(0)
+    [ask] = h.sent[-1]  # the written reply, to be tokenized after the prompt: no room to generate
+    assert ask.request_id == "g0.w2" and ask.prefix == f"It is {task.answer}.\n<answer>{task.answer}</answer>"
+    assert ask.max_context == 1 and not h.replay and list(h.groups.pending) == [0]  # pending until it is in
+    h.groups.completed(wire.Completion("g0.w2", [1, 7, 8], [], [], [], "", "length", 0, 0.0), h.share)
+    await settled(h)
+    [group] = h.replay.groups()
+    guided = group.samples[-1]
+    assert len(group.samples) == 3 and guided.written == 3 and guided.completion.completion_ids == [7, 8, 3]
+    assert guided.completion.prompt_ids == [1] and guided.score.strict and guided.score.reward == pytest.approx(1.2)
+    assert h.admission.live == 2 and h.counts.guided == 1 and h.counts.generated == 2  # no slot, not generated
+    assert h.share.requests == 0
+
+
+@pytest.mark.parametrize("replies", [("<answer>{a}</answer>", "{a}"), ("-1", "-2")])
+async def test_a_tag_guide_writes_nothing_where_a_correct_reply_is_tagged_or_none_is_correct(tmp_path, replies):
+    h = Harness(tmp_path, **{"task.guide": "tag"})
+    task = next(tasks(1))
+    await h.groups.admit(0, task)
+    for i, text in enumerate(replies):
+        h.answer(f"g0.{i}", text.format(a=task.answer))
+    await settled(h)
+    [group] = h.replay.groups()
+    assert len(group.samples) == 2 and h.counts.guided == 0 and len(h.sent) == 1
+
+
+async def test_a_reference_guide_gives_a_group_that_failed_the_worked_answer(tmp_path):
+    h = Harness(tmp_path, **{"task.guide": "reference"})
+    task = next(tasks(1))
+    await h.groups.admit(0, task)
+    h.answer("g0.0", "<answer>-1</answer>")
+    h.answer("g0.1", "<answer>-2</answer>", finish="length")
+    await asyncio.sleep(0)
+    [ask] = h.sent[-1]
+    assert ask.prefix == f"{task.prompt.split('Calculate ')[1].split('.')[0]} = {task.answer}\n<answer>{task.answer}</answer>"
+    h.groups.completed(wire.Completion("g0.w2", [1, 5], [], [], [], "", "length", 0, 0.0), h.share)
+    await settled(h)
+    [group] = h.replay.groups()
+    assert [s.score.passed for s in group.samples] == [False, False, True] and group.samples[-1].written == 2
+
+
+async def test_a_guided_member_whose_ids_do_not_extend_the_prompt_is_left_out(tmp_path):
+    """The written reply re-tokenized differently at the seam (its ids do not begin with the
+    prompt's as sampled): no member, the group trains as sampled."""
+    h = Harness(tmp_path, **{"task.guide": "tag"})
+    task = next(tasks(1))
+    await h.groups.admit(0, task)
+    h.answer("g0.0", task.answer)
+    h.answer("g0.1", "-1")
+    await asyncio.sleep(0)
+    h.groups.completed(wire.Completion("g0.w2", [9, 7], [], [], [], "", "length", 0, 0.0), h.share)
+    await settled(h)
+    [group] = h.replay.groups()
+    assert len(group.samples) == 2 and h.counts.guided == 0
+
+
+async def test_a_dropped_or_closed_group_waits_for_no_guided_member(tmp_path):
+    h = Harness(tmp_path, **{"task.guide": "tag"})
+    task = next(tasks(1))
+    await h.groups.admit(0, task)
+    h.answer("g0.0", task.answer)
+    h.answer("g0.1", "-1")
+    await asyncio.sleep(0)
+    h.groups.close()
+    await asyncio.gather(*h.spawned, return_exceptions=True)
+    assert all(t.done() for t in h.spawned) and not h.replay
 
 
 # ---------------------------------------------------------------- in runs against the fake workers
@@ -228,3 +310,20 @@ async def test_overlong_replies_are_shaped_in_training_and_never_in_eval(tmp_pat
     assert all(r["rewards"] == {"overlong": -0.5} for r in runs["on"] if r["kind"] == "train")
     evals = {n: [r["reward"] for r in rows if r["kind"] == "eval"] for n, rows in runs.items()}
     assert evals["on"] == evals["off"] and len(evals["on"]) == 8
+
+
+async def test_a_guided_run_trains_the_written_members_and_records_them_apart(tmp_path):
+    """The fake policy answers correctly untagged at versions 2-3: the tag guide writes tagged
+    copies, which train in their groups (written tokens) and are recorded, counted and kept out
+    of the admission rule and the step's rates."""
+    trainer = FakeTrainer()
+    summary = await orchestrator(tmp_path, make_settings("sync", **{"task.guide": "tag", "run.max_steps": 6}),
+                                 trainer=trainer).run()
+    written = [s for b in trainer.batches for s in b.samples if s.written]
+    assert summary["steps"] == 6 and summary["samples_guided"] == len(written) > 0
+    assert all(s.written == len(s.completion_ids) and s.reward == pytest.approx(1.2) for s in written)
+    assert summary["samples_accepted"] == 6 * 4  # B sampled replies a step, the guided ones besides
+    rows = [orjson.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_bytes().splitlines()]
+    assert sum(1 for r in rows if r.get("guided")) == len(written)
+    steps = [orjson.loads(x) for x in (tmp_path / "run" / "steps.jsonl").read_bytes().splitlines()]
+    assert sum(r["guided"] for r in steps) == len(written) and all(r["strict_rate"] == 0 for r in steps[:3])

@@ -47,6 +47,7 @@ counts trained tokens only.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +114,8 @@ def check_samples(samples: list[wire.TrainSample]) -> None:
         if s.loss_mask is not None and len(s.loss_mask) != len(s.completion_ids):
             raise ValueError(f"sample {i}: {len(s.completion_ids)} completion ids, "
                              f"{len(s.loss_mask)} loss mask entries")
+        if not 0 <= s.written <= len(s.completion_ids):
+            raise ValueError(f"sample {i}: {s.written} written tokens of {len(s.completion_ids)}")
 
 
 def trained(s: wire.TrainSample) -> list[int]:
@@ -142,17 +145,27 @@ def group_row_length(samples: list[wire.TrainSample], group: list[int]) -> int:
 
 def _flat_targets(samples: list[wire.TrainSample], index: list[int], adv: torch.Tensor,
                   device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """targets, behav, per-token adv [T] of samples[index]'s trained tokens, sample after sample."""
+    """targets, behav, per-token adv [T] of samples[index]'s trained tokens, sample after sample;
+    a written token's behav is NaN (no sampler drew it): `behav_from_prox` fills it in."""
     targets, behav, tok_adv = [], [], []
     for i in index:
         s = samples[i]
         keep = trained(s)
         targets.extend(s.completion_ids[j] for j in keep)
-        behav.extend(s.logprobs[j] for j in keep)
+        first_written = len(s.completion_ids) - s.written
+        behav.extend(s.logprobs[j] if j < first_written else math.nan for j in keep)
         tok_adv.extend([float(adv[i])] * len(keep))
     return (torch.tensor(targets, dtype=torch.long, device=device),
             torch.tensor(behav, dtype=torch.float32, device=device),
             torch.tensor(tok_adv, dtype=torch.float32, device=device))
+
+
+def behav_from_prox(mb: MicroBatch, prox: torch.Tensor) -> None:
+    """A guided member's written tokens (behav NaN) take pi_prox as their behaviour log-prob, in
+    place: importance weight 1, so decoupled PPO trains them as the policy's own."""
+    written = torch.isnan(mb.behav)
+    if written.any():
+        mb.behav[written] = prox[written].to(mb.behav.dtype)
 
 
 def _right_padded(rows: list[list[int]], fill: int) -> torch.Tensor:

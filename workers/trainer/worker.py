@@ -76,6 +76,7 @@ from areal_aio.workers.trainer.data_parallel import Ranks
 from areal_aio.workers.trainer.microbatch import (
     PACKED_ATTENTION,
     MicroBatch,
+    behav_from_prox,
     check_samples,
     plan_micro_batches,
     trained,
@@ -411,6 +412,7 @@ class Trainer:
         def token_loss(k: int, mb: MicroBatch, logp: torch.Tensor) -> tuple:
             if k == 0 and not self.dropout:  # no step taken yet: this forward is pi_prox
                 prox[id(mb)] = logp.detach().float()
+            behav_from_prox(mb, prox[id(mb)])  # a guided member's written tokens
             seq = None
             if objective == "gspo":  # each token's sequence: samples[mb.index] in target order
                 counts = torch.tensor([trained_count(samples[i]) for i in mb.index], device=logp.device)
@@ -551,8 +553,9 @@ class Trainer:
         else:
             behav = prox_all = zero.new_zeros(0)
         # tokens sampled by the weights prox was computed with (this version, not yet
-        # advanced), in the order of behav / prox
-        versions = [samples[i].versions[j] for mb in mbs for i in mb.index for j in trained(samples[i])]
+        # advanced), in the order of behav / prox; a guided member's written ones were not sampled
+        versions = [samples[i].versions[j] if j < len(samples[i].completion_ids) - samples[i].written else None
+                    for mb in mbs for i in mb.index for j in trained(samples[i])]
         own = [k for k, v in enumerate(versions) if v == self.version]
         w = torch.exp(prox_all - behav)
         capped = (w > cfg.behav_cap) if objective in DECOUPLED else torch.zeros_like(w, dtype=torch.bool)

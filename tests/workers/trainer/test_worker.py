@@ -601,3 +601,28 @@ def test_a_step_whose_loss_is_not_finite_is_skipped_and_leaves_the_weights(tmp_p
     good = trainer.train(wire.Train(step=2, version=1, samples=batch))
     assert good.stats["skipped"] == 0 and trainer.opt.state
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def test_a_guided_members_written_tokens_take_pi_prox_as_their_behaviour(tmp_path, batch) -> None:
+    """Tokens a guide wrote (TrainSample.written) have no sampler: their placeholder log-probs
+    are never read, pi_prox stands in (weight 1, none capped), and the update is the one with
+    their exact log-probs given; the same placeholders read as sampled ones are capped."""
+    def placeholders(s: wire.TrainSample, written: int) -> wire.TrainSample:
+        return dataclasses.replace(s, logprobs=[-50.0] * len(s.logprobs), written=written)
+
+    exact = make_trainer(tmp_path / "exact")
+    exact.train(wire.Train(step=0, version=0, samples=batch))
+    guided = make_trainer(tmp_path / "guided")
+    st = guided.train(wire.Train(step=0, version=0, samples=[*batch[:-1], placeholders(batch[-1], NEW_TOKENS)])).stats
+    assert st["capped_frac"] == 0.0 and st["behav_w_max"] < 1.001
+    for name, value in exact.model.state_dict().items():
+        torch.testing.assert_close(guided.model.state_dict()[name], value, atol=1e-6, rtol=1e-4)
+    read = make_trainer(tmp_path / "read").train(
+        wire.Train(step=0, version=0, samples=[*batch[:-1], placeholders(batch[-1], 0)])).stats
+    assert read["capped_frac"] > 0
+
+
+def test_more_written_tokens_than_completion_tokens_are_refused(tmp_path, batch) -> None:
+    bad = dataclasses.replace(batch[0], written=len(batch[0].completion_ids) + 1)
+    with pytest.raises(ValueError, match="written tokens"):
+        make_trainer(tmp_path).train(wire.Train(step=0, version=0, samples=[*batch, bad]))
