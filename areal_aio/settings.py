@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import functools
 import importlib.util
+import json
 import math
 import os
 import re
@@ -44,9 +45,14 @@ TASK_FILES = {"jsonl": None, "parquet": "pyarrow", "datasets": "datasets"}
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 """run.report_to name -> the package it needs (each an optional extra of the same name)."""
 SFT_GENERATED = ("arithmetic", "calculator", "chain", "functions")
-"""Tasks whose generated reference replies (app/sft.py generated_pairs) a run tunes on first
-when sft.before_run = auto. code and humaneval have generated replies too (their reference
-solutions), tuned on only when asked (on): a warm start on CodeI/O was not measured."""
+"""Tasks with generated reference replies (app/sft.py generated_pairs) besides the code tasks'
+reference solutions."""
+SFT_AUTO = ("calculator", "chain", "functions")
+"""Tasks a run tunes on first when sft.before_run = auto (their generated replies). Not code and
+humaneval: a warm start on CodeI/O was not measured. Not arithmetic: tuned on its reference
+replies, SmolLM2-135M-Instruct started RL below the base model and was slower to every threshold
+than RL from the base model, in every sitting (docs/benchmarks/cold-start.md); `sft.before_run =
+on` still tunes it."""
 CODE_TASKS = ("code", "humaneval", "functions")
 """task.name of the built-in code tasks (tasks/code_tasks.py, tasks/function_tasks.py), judged by
 running the reply's program in the sandbox (rewards/code.py, sandbox/sandbox.py)."""
@@ -55,9 +61,9 @@ CODE_COLUMNS = ("tests", "entry_point", "prefix")
 the first two)."""
 CODE_REWARD = "areal_aio.rewards.code:reward"
 """What task.reward = "answer" means for a code task: every test passes (1) or not (0)."""
-BUILTIN_REWARDS = ("answer",)
+BUILTIN_REWARDS = ("answer", "judge")
 """Rewards task.reward names without a module: `answer` is rewards.AnswerReward (task.format_bonus),
-or CODE_REWARD for a code task."""
+or CODE_REWARD for a code task; `judge` is a judge model's verdict ([judge], rewards/judge.py)."""
 MOVED = {
     "areal_aio.tasks.calculator:episode": "areal_aio.agents.calculator:episode",
     "areal_aio.tasks.calculator_openai:episode": "areal_aio.agents.calculator_openai:episode",
@@ -244,7 +250,7 @@ class TaskSettings:
     eval_seed: int = opt(10_000, "Seed of the held-out eval set; must differ from run.seed.", ge=0)
     eval_every: int = opt(5, "Evaluate every this many trainer steps (and at step 0 and the end).", ge=1)
     format_bonus: float = opt(0.2, "Extra reward for an <answer> tag, paid only when the answer is also correct.", ge=0)
-    guide: str = opt("off", "Guided groups (areal_aio/control/guidance.py): replies a group gets besides the sampled ones, trained in it with importance weight 1 (their tokens were written, not sampled) and counted apart (steps.jsonl `guided`; left out of the step's rates). off | tag (a group with a correct untagged reply and no correct tagged one gets that reply with the tagged answer after it: the format bonus then has a member to pay) | reference (a group whose every reply fails gets the task's reference reply: arithmetic and the generated code tasks) | both | \"package.module:function\" called as fn(task, replies, passed) -> list of reply texts. One-reply tasks only (not episodes, not process.mode).", parse=guide_value)
+    guide: str = opt("off", "Guided groups (areal_aio/control/guidance.py): replies a group gets besides the sampled ones, trained in it with importance weight 1 (their tokens were written, not sampled) and counted apart (steps.jsonl `guided`; left out of the step's rates). off | tag (a group with a correct reply and none tagged with the tag ending it gets one in that form: the tagged answer after it, or cut after its tag; it teaches the tag inside RL, in 10-15 steps on the default task, but the replies grew to 2-3x the tokens: docs/cold-start.md) | reference (a group whose every reply fails gets the task's reference reply: arithmetic and the generated code tasks) | both | \"package.module:function\" called as fn(task, replies, passed) -> list of reply texts. One-reply tasks only (not episodes, not process.mode).", parse=guide_value)
     overlong_buffer: int = opt(0, "DAPO's soft overlong penalty: a training reply longer than rollout.max_new_tokens - overlong_buffer tokens loses overlong_penalty x (its tokens past that) / overlong_buffer, up to overlong_penalty at max_new_tokens; 0 = off. Single replies only (an episode's are not shaped); evals are never shaped.", ge=0)
     overlong_penalty: float = opt(1.0, "The most the overlong penalty takes (at rollout.max_new_tokens).", ge=0)
     episode: str = opt("", "A multi-turn episode: \"package.module:function\" naming an `async def episode(task, model)` that calls `await model.reply()` as often as it likes, adds tool or environment turns between replies with model.add_turn(role, text), and returns its reward (float or Score) or None (task.reward scores the last reply). One trained sequence per episode, the added turns masked out of the loss (areal_aio/agents/episodes.py). \"\" = one reply per task (task.name = calculator: its calculator episode). Built in besides: \"areal_aio.agents.code_feedback:episode\" (code tasks: a failing program sees why and tries again).", parse=episode_value)
@@ -350,7 +356,7 @@ class ControllerSettings:
 
 @dataclass(frozen=True, slots=True)
 class SftSettings:
-    before_run: str = opt("auto", "A cold start inside `python -m areal_aio run`: first sft.steps steps on sft.data (the trainer worker on every core it has, no evals) into <run>/sft/, then RL from that model (docs/cold-start.md). auto: on where there is something to tune on (sft.data = sampled or a JSONL file, or the generated replies of task.name = arithmetic, chain, calculator or functions), off elsewhere (a task file, code or humaneval with sft.data = generated). A resumed run does not tune again; an embedded Orchestrator trains model.path as given (await areal_aio.app.sft.warm_start first).", choices=("auto", "on", "off"))
+    before_run: str = opt("auto", "A cold start inside `python -m areal_aio run`: first sft.steps steps on sft.data (the trainer worker on every core it has, no evals) into <run>/sft/, then RL from that model (docs/cold-start.md). auto: on where a cold start was measured to help (sft.data = sampled or a JSONL file, or the generated replies of task.name = chain, calculator or functions), off elsewhere (arithmetic, where RL from the base model was faster to every threshold; a task file, code or humaneval with sft.data = generated). A resumed run does not tune again; an embedded Orchestrator trains model.path as given (await areal_aio.app.sft.warm_start first).", choices=("auto", "on", "off"))
     data: str = opt("generated", "What `python -m areal_aio sft` trains on: sampled (the model's own replies: each training prompt answered once at sft.temperature, the ones that pass kept, each with the tagged answer added after it where the task's check is the built-in answer reward and the reply left it untagged; a rejection-sampled cold start that keeps the model's own way of answering; one-reply tasks, not episodes), generated (the task's reference replies: the worked step-tagged solutions of task.name = chain, the sum written out and the tagged answer of arithmetic, for calculator two pairs per problem: the call <calc>expression</calc>, and after it and the tool's value the tagged value; for a code task its reference solution in a ```python block) or a JSONL file of {\"prompt\", \"completion\"} rows or chat rows {\"messages\": [system (optional), user, assistant, tool, ..., assistant]} (the last assistant turn is trained, the turns before it are its context as an episode holds it). Pairs whose prompt is a held-out prompt are left out.")
     steps: int = opt(20, "Optimizer steps, one per batch of pairs: the cold start's own steps, before RL's step 0 (not counted in run.max_steps). What the default teaches SmolLM2-135M-Instruct, and in how long: docs/cold-start.md.", ge=1)
     batch_size: int = opt(8, "Prompt/completion pairs per step.", ge=1)
@@ -383,6 +389,37 @@ class RaySettings:
     ship_weights: str = opt("auto", "How a rollout actor gets each weight version: auto (one on the controller's node reads the weight store, one on another node gets the file through Ray's object store into its own node's /dev/shm) | always (every rollout actor through the object store).", choices=("auto", "always"))
 
 
+@dataclass(frozen=True, slots=True)
+class TeacherSettings:
+    """On-policy distillation (docs/distillation.md): a frozen teacher scores every token the
+    policy sampled, in the trainer beside the update; its per-token reverse KL is the signal."""
+
+    model: str = opt("", "The teacher: a local HF folder (a run's model/ or best/ too), a hub id (where a hub is reachable) or embedded:...; \"\" = no teacher. Its tokenizer must be the policy's (refused at start otherwise).")
+    coef: float = opt(1.0, "Weight of the per-token reverse KL: each sampled token's advantage gains coef x (log pi_teacher - log pi_prox) at that token (both at rollout.temperature), so a token the teacher finds likelier than the policy does is pushed up.", ge=0)
+    keep_reward: bool = opt(True, "true: the task's group advantage stays and the KL term is added to it | false: distillation alone (the reward is still scored and logged, never trained on).")
+
+
+JUDGE_RUBRIC = ("Grade a reply to a task.\n\nTask: {prompt}\n\nReference answer: {answer}\n\nReply: {reply}\n\n"
+                "Is the reply's final answer correct? Answer with one word: PASS or FAIL.")
+"""judge.rubric's default: a pass/fail verdict against the task's reference answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeSettings:
+    """A judge model as the reward (task.reward = "judge"; areal_aio/rewards/judge.py,
+    docs/judge.md): a rubric prompt per reply, the verdict parsed into a score."""
+
+    url: str = opt("", "An OpenAI-compatible server's base URL (http://host:port/v1: vLLM, llama.cpp, another areal_aio endpoint), asked POST <url>/chat/completions; \"\" = a local judge: judge.model served by a rollout worker of its own, its calls continuous-batched together.")
+    model: str = opt("", "With judge.url: the model id sent in each request (\"\" = the server's default). Without: the local judge model, as model.path takes one (an HF folder, embedded:..., a hub id).")
+    key_env: str = opt("", "With judge.url: the environment variable holding its API key (sent as Authorization: Bearer); \"\" = none.")
+    rubric: str = opt(JUDGE_RUBRIC, "The judge's prompt, one user message: {prompt}, {reply} and {answer} (the task's reference, \"\" where it has none) are filled in.")
+    verdict: str = opt("choice", "How the judge's reply becomes the reward: choice (its first word PASS / YES / CORRECT scores 1, FAIL / NO / INCORRECT 0) | score (the first number in it, divided by judge.scale; outside 0..scale it does not parse). A reply that does not parse scores 0 and is counted (reward_failures), kept in events.jsonl (judge_unparsed).", choices=("choice", "score"))
+    scale: float = opt(10.0, "verdict = score: the judge's top score (its score / scale is the reward, in 0..1).", gt=0)
+    max_tokens: int = opt(16, "Tokens the judge may write per verdict.", ge=1)
+    max_concurrent: int = opt(8, "Judge calls in flight at once (more wait their turn); a slow judge delays its own group, never the loop. controller.reward_timeout_s bounds each call.", ge=1)
+    threads: int = opt(1, "A local judge: torch threads of its worker.", ge=1)
+
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 """endpoint.host values that serve this machine only (no key needed)."""
 
@@ -413,6 +450,8 @@ SECTIONS: dict[str, type] = {
     "process": ProcessSettings,
     "ray": RaySettings,
     "endpoint": EndpointSettings,
+    "teacher": TeacherSettings,
+    "judge": JudgeSettings,
 }
 
 
@@ -429,6 +468,8 @@ class Settings:
     process: ProcessSettings = field(default_factory=ProcessSettings)
     ray: RaySettings = field(default_factory=RaySettings)
     endpoint: EndpointSettings = field(default_factory=EndpointSettings)
+    teacher: TeacherSettings = field(default_factory=TeacherSettings)
+    judge: JudgeSettings = field(default_factory=JudgeSettings)
 
     def __post_init__(self) -> None:
         if self.trainer.batch_size % self.rollout.group_size:
@@ -543,10 +584,10 @@ class Settings:
     @property
     def sft_before_run(self) -> bool:
         """sft.before_run in force: auto is on where there is something to tune on, sft.data =
-        sampled or a JSONL file, or the generated replies of SFT_GENERATED tasks."""
+        sampled or a JSONL file, or the generated replies of SFT_AUTO tasks."""
         if self.sft.before_run != "auto":
             return self.sft.before_run == "on"
-        return self.sft.data != "generated" or self.task.name in SFT_GENERATED
+        return self.sft.data != "generated" or self.task.name in SFT_AUTO
 
     @property
     def rollout_devices(self) -> list[str]:
@@ -775,8 +816,8 @@ def toml_value(value: Any) -> str:
     """A value as TOML writes it (the resolved settings file, `--set` echoes, the docs' reference)."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, str):  # JSON's escapes are TOML's too (a newline, a quote, control characters)
+        return json.dumps(value, ensure_ascii=False)
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):

@@ -170,7 +170,7 @@ def test_trl_names_and_keys_of_another_section_get_hints(raw, sets, needle):
 
 @pytest.mark.parametrize("reward,needle", [
     ("mypkg.rewards.exact", "'mypkg.rewards.exact' is not package.module:function nor a built-in reward "
-                            "(answer); did you mean 'mypkg.rewards:exact'?"),
+                            "(answer, judge); did you mean 'mypkg.rewards:exact'?"),
     ("exact", "'exact' is not package.module:function nor a built-in reward"),
     ("", "task.reward: expected \"package.module:function\""),
     ([], "task.reward: expected \"package.module:function\""),

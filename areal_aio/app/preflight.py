@@ -99,6 +99,8 @@ def preflight(settings: Settings, out: str | Path | None = None, *, out_key: str
     check_out(Path(out) if out is not None else Path(settings.run.out_dir),
               out_key if out is not None else "run.out_dir")
     check_model(settings.model.path, model_key)
+    check_teacher(settings)
+    check_judge(settings)
     check_lora(settings)
     check_devices(settings)
     if ray:
@@ -149,7 +151,7 @@ def check_reward(settings: Settings, rows: list[Task] | None) -> None:
     from areal_aio.rewards.scoring import check_columns, load_rewards
 
     try:
-        check_columns(load_rewards(settings.task), rows,
+        check_columns(load_rewards(settings.task, settings.judge), rows,
                       CODE_COLUMNS if settings.task.name in CODE_TASKS else ())
     except SettingsError as exc:
         raise PreflightError(str(exc)) from None
@@ -299,6 +301,64 @@ def check_model_folder(path: Path, spec: str, key: str = "model.path") -> None:
     for kind, names in (("weights", WEIGHT_FILES), ("tokenizer", TOKENIZER_FILES)):
         if not any((path / name).is_file() for name in names):
             raise PreflightError(f"{key}: {spec!r} has no {kind} (none of {', '.join(names)})")
+
+
+def check_teacher(settings: Settings) -> None:
+    """teacher.model can be loaded, and where both it and model.path are local folders, their
+    tokenizers' vocabularies are one (the trainer checks the rest when it loads the teacher)."""
+    spec = settings.teacher.model
+    if not spec:
+        return
+    check_model(spec, "teacher.model")
+    mine, theirs = vocabulary(settings.model.path), vocabulary(spec)
+    if mine is not None and theirs is not None and mine != theirs:
+        raise PreflightError(f"teacher.model: {spec!r} has another tokenizer than model.path's ({len(theirs)} "
+                             f"against {len(mine)} tokens, or other ids); distillation needs the policy's own")
+
+
+def check_judge(settings: Settings) -> None:
+    """task.reward = "judge": judge.url answers GET <url>/models within seconds, or the local
+    judge.model can be loaded."""
+    from areal_aio.settings import reward_parts
+
+    if not any(spec == "judge" for _, spec, _ in reward_parts("task.reward", settings.task.reward)):
+        return
+    j = settings.judge
+    if not j.url and not j.model:
+        raise PreflightError("task.reward: \"judge\" needs judge.url (a server) or judge.model (a local judge)")
+    if not j.url:
+        check_model(j.model, "judge.model")
+        return
+    if not j.url.startswith(("http://", "https://")):
+        raise PreflightError(f"judge.url: {j.url!r} is not an http(s) URL")
+    if j.key_env and not os.environ.get(j.key_env):
+        raise PreflightError(f"judge.key_env: the environment variable {j.key_env} is not set")
+    request = urllib.request.Request(f"{j.url.rstrip('/')}/models")
+    if j.key_env:
+        request.add_header("Authorization", f"Bearer {os.environ[j.key_env]}")
+    try:
+        urllib.request.urlopen(request, timeout=HUB_PROBE_TIMEOUT_S).close()
+    except urllib.error.HTTPError as exc:
+        raise PreflightError(f"judge.url: {j.url}/models answered HTTP {exc.code}") from None
+    except (OSError, ValueError) as exc:
+        raise PreflightError(f"judge.url: {j.url} cannot be reached ({getattr(exc, 'reason', exc)})") from None
+
+
+def vocabulary(spec: str) -> dict | None:
+    """A local model folder's token -> id map, from its tokenizer.json (the model's vocab and
+    added tokens) or vocab.json; None where there is no such file to read."""
+    path = Path(spec)
+    try:
+        if (path / "tokenizer.json").is_file():
+            tree = json.loads((path / "tokenizer.json").read_bytes())
+            vocab = dict(tree.get("model", {}).get("vocab") or {})
+            vocab.update({t["content"]: t["id"] for t in tree.get("added_tokens") or ()})
+            return vocab or None
+        if (path / "vocab.json").is_file():
+            return json.loads((path / "vocab.json").read_bytes())
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+    return None
 
 
 def check_eval_file(path: Path, key: str) -> None:

@@ -191,7 +191,7 @@ def generated_pairs(settings: Settings) -> Iterator[Pair]:
 def tag_answers(settings: Settings) -> bool:
     """Whether the task's check is the built-in answer reward, whose strict pass is the tagged
     answer: a passing sampled reply then gets the tag it left out (sampled_pairs)."""
-    return only_answer_check(load_rewards(settings.task))
+    return only_answer_check(load_rewards(settings.task, settings.judge))
 
 
 def kept_reply(task: Task, reply: wire.Completion, score: Score, tag: bool) -> str | None:
@@ -221,7 +221,7 @@ async def sampled_pairs(settings: Settings, held_out: set[str], need: int,
     sampling = dataclasses.replace(settings, rollout=rollout)
     stream = (t for t in training_tasks(settings, in_loop=False) if t.text not in held_out)
     tag = tag_answers(settings)
-    scorer = Scorer(load_rewards(settings.task), timeout_s=settings.controller.reward_timeout_s, procs=0)
+    scorer = Scorer(load_rewards(settings.task, settings.judge), timeout_s=settings.controller.reward_timeout_s, procs=0)
     pairs: list[Pair] = []
     drawn = passed = tagged = cut = 0
     try:
@@ -376,7 +376,7 @@ async def evaluate(settings: Settings, stages: dict[str, list[Task]], folder: Pa
     episode run, one greedy episode per task, scored on its last reply as the run's eval is),
     scored; their rows are appended to samples.jsonl."""
     everything = [t for tasks in stages.values() for t in tasks]
-    scorer = Scorer(load_rewards(settings.task), timeout_s=settings.controller.reward_timeout_s, procs=0)
+    scorer = Scorer(load_rewards(settings.task, settings.judge), timeout_s=settings.controller.reward_timeout_s, procs=0)
     turns, failed = None, None
     try:
         if spec := episode_spec(settings):

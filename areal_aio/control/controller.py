@@ -69,7 +69,7 @@ from typing import Any
 
 from areal_aio import wire
 from areal_aio.agents import endpoint, episodes
-from areal_aio.control import evaluation, guidance, keeping, stats
+from areal_aio.control import evaluation, guidance, judging, keeping, stats
 from areal_aio.control.events import EventStream
 from areal_aio.control.groups import Groups
 from areal_aio.control.progress import Progress
@@ -141,7 +141,7 @@ class Orchestrator:
         self._skip = at.consumed if tasks is not None else 0  # a caller's source: skip what was taken
         rows = read_tasks(settings.task) if tasks is None or eval_set is None else None  # read once
         self._tasks = tasks if tasks is not None else training_tasks(settings, start=at.consumed, rows=rows)
-        self._reward = reward if reward is not None else load_rewards(settings.task)
+        self._reward = reward if reward is not None else load_rewards(settings.task, settings.judge)
         spec = episodes.episode_spec(settings)
         self._episode = episode if episode is not None else episodes.load_episode(spec) if spec else None
         if self._episode is not None and settings.process.mode != "off":
@@ -305,13 +305,16 @@ class Orchestrator:
 
     async def _supervise(self) -> None:
         # an episode run serves its OpenAI-compatible endpoint while its tasks run (agents/endpoint.py)
+        # a local judge (task.reward = "judge" without judge.url) is served by a worker of its own
         async with (endpoint.serving(self.settings.endpoint, self._episode is not None, self.counts),
+                    judging.serving(self.settings, self._reward, self.folder / "judge.log",
+                                    self.log.events) as judge_reader,
                     asyncio.TaskGroup() as tg):
             self._tg = tg
             self._dispatcher = tg.create_task(self._dispatch(), name="dispatch")
-            helpers = [self._dispatcher] + [tg.create_task(coro, name=name) for name, coro in (
-                ("rollout_reader", self._rollout_reader()), ("trainer_reader", self.link.read()),
-                ("monitor", self._monitor()))]
+            readers = (("rollout_reader", self._rollout_reader()), ("trainer_reader", self.link.read()),
+                       ("monitor", self._monitor()), *([("judge_reader", judge_reader)] if judge_reader else []))
+            helpers = [self._dispatcher] + [tg.create_task(coro, name=name) for name, coro in readers]
             await tg.create_task(self._train_loop(), name="train_loop")
             for task in helpers:
                 task.cancel()
@@ -503,7 +506,9 @@ class Orchestrator:
         self.counts.trained(sum(stats.trained_tokens(q.completion, q.mask) for _, q, _ in seqs), stale, len(seqs))
         self.counts.stepped(trained)
         self._max_trained_staleness = max(self._max_trained_staleness, *stale)
-        self.log.rows("samples", (stats.sample_row(s, staleness=st, step=self.step, sequence=q) for s, q, st in seqs))
+        teacher_kl = trained.stats.pop("teacher_kl_seq", None) or [None] * len(seqs)  # teacher.model: per sequence
+        self.log.rows("samples", (stats.sample_row(s, staleness=st, step=self.step, sequence=q, teacher_kl=kl)
+                                  for (s, q, st), kl in zip(seqs, teacher_kl, strict=True)))
         row = stats.step_row(self.step, self.version, wall, train_s, wait_s, samples, stale, self.counts,
                              trained, replay_groups=len(self.replay), in_flight=len(self.groups.requests))
         if self._process.enabled:

@@ -585,7 +585,7 @@ async def evaluate_model(settings: Settings, out_file: Path) -> dict[str, Any]:
     """Score settings.model.path on the held-out set with the in-run protocol (greedy episodes
     in an episode run); write `out_file`."""
     eval_set = await asyncio.to_thread(eval_tasks, settings)  # code items: sandbox runs, off the loop
-    reward = load_rewards(settings.task)
+    reward = load_rewards(settings.task, settings.judge)
     builtin = only_answer_check(reward)
     scorer = Scorer(reward, timeout_s=settings.controller.reward_timeout_s,
                     procs=0 if builtin else settings.controller.reward_procs,

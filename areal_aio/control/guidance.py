@@ -5,8 +5,10 @@ replies some member wrote. Two cases starve it, and a guide writes the missing m
 
   tag        the policy answers correctly but never inside the answer tag (SmolLM2-135M-Instruct
              on the default task: strict 0 in every group), so the format bonus is never paid
-             and no advantage points at the tag. To a group with a correct untagged reply and no
-             correct tagged one, the guide adds that reply with the tagged answer after it.
+             and no advantage points at the tag; or it tags and then writes on, which the bonus
+             does not pay either. To a group with a correct reply and none in the strict form
+             (tagged, the tag ending it), the guide adds one: that reply with the tagged answer
+             after it, or cut after its tag.
   reference  every member fails (a confident wrong answer in all of them), so the group has no
              spread and no member points at the right answer. The guide adds the task's
              reference reply (LUFFY's off-policy guidance, Yan et al. 2025).
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from areal_aio.rewards.scoring import final_answer, import_reward
+from areal_aio.rewards.scoring import ends_with_tag, final_answer, import_reward
 from areal_aio.settings import CODE_TASKS, Settings, SettingsError
 from areal_aio.tasks.task import Task
 
@@ -39,12 +41,17 @@ Guide = Callable[[Task, Sequence[str], Sequence[bool]], list[str]]
 
 
 def tag_guide(task: Task, replies: Sequence[str], passed: Sequence[bool]) -> list[str]:
-    """A correct untagged reply with the tagged answer after it, where no correct reply of the
-    group is tagged (the tag is what it teaches, so one member a group is enough)."""
+    """Where no correct reply of the group is in the strict form (tagged, the tag ending it: the
+    one the format bonus pays), its first correct reply put in that form: the tagged answer
+    after it where it has no tag, or cut after its last tag where it went on writing. One member
+    a group is enough: the form is what it teaches."""
     correct = [text for text, ok in zip(replies, passed, strict=True) if ok]
-    if not correct or any(final_answer(text)[1] for text in correct):
+    if not correct or any(final_answer(text)[1] and ends_with_tag(text) for text in correct):
         return []
-    return [f"{correct[0].rstrip()}\n<answer>{task.answer}</answer>"]
+    text = correct[0]
+    if final_answer(text)[1]:
+        return [text[:text.lower().rfind("</answer>") + len("</answer>")]]
+    return [f"{text.rstrip()}\n<answer>{task.answer}</answer>"]
 
 
 def reference_guide(reference: Callable[[Task], str | None]) -> Guide:

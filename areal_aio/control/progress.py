@@ -186,10 +186,11 @@ class Progress:
 
 
 def pick(samples: Sequence[Any]) -> list[dict[str, Any]]:
-    """The best and the worst reply of the first COMPLETION_GROUPS groups, as plain rows."""
+    """The best and the worst reply of the first COMPLETION_GROUPS groups, as plain rows: the
+    policy's own (a guided member, task.guide, was written, not sampled)."""
     groups: dict[int, list[Any]] = {}
     for s in samples:
-        if s.completion is not None and s.score is not None:
+        if s.completion is not None and s.score is not None and not getattr(s, "written", 0):
             groups.setdefault(s.group_id, []).append(s)
     rows = []
     for members in list(groups.values())[:COMPLETION_GROUPS]:

@@ -217,6 +217,8 @@ SAMPLE_FIELDS: dict[str, str] = {
     "step": "The step that trained it; null on a dropped row.",
     "guided": "Only on a guided member (task.guide): true. Its reply was written by the guide, not sampled; "
               "it trained in its group with importance weight 1.",
+    "teacher_kl": "Only with a teacher (teacher.model), on a trained sequence: its mean reverse KL per trained "
+                  "token, log pi_prox - log pi_teacher at the tokens it sampled.",
     "tokens": "The reply's tokens (an episode's: its replies' and turns' ids); 0 when no reply came back.",
     "process": "Only with process.mode on: the process reward's record of this reply (see the table below).",
     "turns": "Only in an episode run: the episode's record, one entry per reply and per added turn: role, text, "
@@ -227,7 +229,7 @@ SAMPLE_FIELDS: dict[str, str] = {
 
 
 def sample_row(s: Any, *, staleness: int | None = None, step: int | None = None,
-               dropped: str | None = None, sequence: Any = None) -> dict[str, Any]:
+               dropped: str | None = None, sequence: Any = None, teacher_kl: float | None = None) -> dict[str, Any]:
     """The samples.jsonl row of a training sample (groups.Sample), trained or dropped; a trained
     episode has one row per sequence it trained (`sequence`: an episodes.Sequence; its place
     among the episode's sequences in `sequence` and `sequences`, `request_id` the episode's)."""
@@ -245,6 +247,7 @@ def sample_row(s: Any, *, staleness: int | None = None, step: int | None = None,
         "staleness": staleness, "interrupts": c.interrupts if c else None, "retries": s.retries,
         "dropped": dropped, "step": step, "tokens": len(c.completion_ids) if c else 0,
         **({"guided": True} if getattr(s, "written", 0) else {}),
+        **({"teacher_kl": teacher_kl} if teacher_kl is not None else {}),
         **({"process": s.process} if s.process is not None else {}),
         **({"turns": turns} if turns else {})}
 

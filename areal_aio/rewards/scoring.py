@@ -7,8 +7,11 @@ bonus for the tag alone is learned as "tag a wrong answer". So the tag earns
 nothing without correctness.
 
 The final answer is the last tagged answer when the reply has one, else the
-last number in the reply. `pass` = correct final answer, `strict` = correct and
-tagged.
+last number in the reply. `pass` = correct final answer, `strict` = correct,
+tagged, and the tag ends the reply (only whitespace after it): the instruction asks
+for the answer alone in the tag, and a bonus paid whatever follows the tag was
+learned as "tag, then ramble to the token limit" (three times the tokens per reply,
+docs/benchmarks/cold-start.md).
 
 A reward function is any callable `(task, completion_text, **columns)` returning a
 float, a `Score`, or an awaitable of either; `columns` are the task row's extra columns
@@ -45,9 +48,11 @@ from pathlib import Path
 from typing import Any
 
 from areal_aio.rewards.pool import RewardPool, RewardPoolBroken
+from areal_aio.rewards.score import Score
 from areal_aio.settings import (
     CODE_REWARD,
     CODE_TASKS,
+    JudgeSettings,
     SettingsError,
     TaskSettings,
     not_moved,
@@ -67,17 +72,6 @@ poison every weight. Outside the range a reward is a counted failure, exactly as
 
 TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
-
-
-@dataclass(frozen=True, slots=True)
-class Score:
-    """What a reward function says of one completion."""
-
-    reward: float
-    passed: bool  # the final answer is correct
-    strict: bool = False  # correct and inside the answer tag
-    failed: bool = False  # the reward function raised or timed out (reward 0, counted)
-    components: dict[str, float] | None = None  # several rewards: each one's own (unweighted)
 
 
 def overlong_penalty(tokens: int, max_tokens: int, buffer: int, most: float) -> float:
@@ -130,7 +124,8 @@ def _is_number(text: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class AnswerReward:
-    """Correctness reward with a format bonus gated on correctness (picklable: runs in a process pool)."""
+    """Correctness reward with a format bonus gated on correctness and on the tag ending the
+    reply (picklable: runs in a process pool)."""
 
     format_bonus: float = 0.2
 
@@ -142,8 +137,14 @@ class AnswerReward:
     def __call__(self, task: Task, completion: str) -> Score:
         answer, tagged = final_answer(completion)
         correct = answer is not None and same_answer(answer, task.answer)
-        bonus = self.format_bonus if correct and tagged else 0.0
-        return Score(reward=float(correct) + bonus, passed=correct, strict=correct and tagged)
+        strict = correct and tagged and ends_with_tag(completion)
+        return Score(reward=float(correct) + (self.format_bonus if strict else 0.0), passed=correct, strict=strict)
+
+
+def ends_with_tag(text: str) -> bool:
+    """Whether the reply ends at its last closing answer tag (whitespace after it aside)."""
+    end = text.lower().rfind("</answer>")
+    return end >= 0 and not text[end + len("</answer>"):].strip()
 
 
 def as_score(value: Any) -> Score:
@@ -337,15 +338,21 @@ def only_answer_check(rewards: Reward | list[Reward]) -> bool:
     return all(type(r.fn) is AnswerReward for r in (rewards if isinstance(rewards, list) else [rewards]))
 
 
-def load_rewards(task: TaskSettings) -> Reward | list[Reward]:
+def load_rewards(task: TaskSettings, judge: JudgeSettings | None = None) -> Reward | list[Reward]:
     """The reward(s) task.reward names: one `Reward` for a string, a list for a list. Each
     function is imported and its signature checked; SettingsError naming task.reward if one
-    cannot be used."""
-    rewards = [_load(name, spec, weight, task) for name, spec, weight in reward_parts(KEY, task.reward)]
+    cannot be used (`judge`: the [judge] settings a "judge" reward is built from)."""
+    rewards = [_load(name, spec, weight, task, judge) for name, spec, weight in reward_parts(KEY, task.reward)]
     return rewards if isinstance(task.reward, list) else rewards[0]
 
 
-def _load(name: str, spec: str, weight: float, task: TaskSettings) -> Reward:
+def _load(name: str, spec: str, weight: float, task: TaskSettings, judge: JudgeSettings | None) -> Reward:
+    if spec == "judge":
+        from areal_aio.rewards.judge import Judge
+
+        if judge is None or not (judge.url or judge.model):
+            raise SettingsError(f"{KEY}: \"judge\" needs judge.url (a server) or judge.model (a local judge)")
+        return Reward(name, Judge(judge), weight)
     if spec == "answer" and task.name in CODE_TASKS:
         spec = CODE_REWARD
     if spec == "answer":

@@ -268,7 +268,7 @@ def test_check_resolves_task_reward_and_the_columns_it_needs(files, capsys, monk
         ([f"task.reward={name}:nope"], f"task.reward: '{name}:nope': '{name}' has no 'nope'"),
         (["task.reward=missing_module_q:fn"], "task.reward: cannot import 'missing_module_q'"),
         (["task.reward=missing_module_q.fn"], "task.reward: 'missing_module_q.fn' is not package.module:function "
-                                              "nor a built-in reward (answer); did you mean 'missing_module_q:fn'?"),
+                                              "nor a built-in reward (answer, judge); did you mean 'missing_module_q:fn'?"),
         (["task.name=parquet", "task.path=bad.parquet"], "task.path: bad.parquet: not a Parquet file"),
         (["task.name=datasets", "task.path=missing"], "task.path: no such file 'missing'"),
         (["trainer.learning_rate=1e-5"], "unknown settings key 'trainer.learning_rate'; did you mean "
@@ -320,3 +320,26 @@ def test_endpoint_settings_are_checked_before_anything_starts(files, capsys, mon
         assert main(check(*EPISODE)) == 0  # port 0, loopback, no key: serves
     finally:
         busy.close()
+
+
+def model_folder(name: str, vocab: dict) -> str:
+    Path(name).mkdir(exist_ok=True)
+    for file, text in (("config.json", '{"model_type": "llama"}'), ("model.safetensors", ""),
+                       ("tokenizer.json", json.dumps({"model": {"vocab": vocab}, "added_tokens": []}))):
+        Path(name, file).write_text(text)
+    return name
+
+
+def test_a_teacher_is_checked_before_anything_starts(files, capsys):
+    """teacher.model: a folder that is not there, or one whose tokenizer is another one, is one
+    line at pre-flight; the policy's own tokenizer passes."""
+    policy = model_folder("policy", {"a": 0, "b": 1})
+    assert main(check(f"model.path={policy}", "teacher.model=no/such/folder")) == 2
+    assert "teacher.model: no such folder 'no/such/folder'" in capsys.readouterr().err.splitlines()[-1]
+    model_folder("other", {"a": 0, "c": 1})
+    assert main(check(f"model.path={policy}", "teacher.model=other")) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "teacher.model: 'other' has another tokenizer than model.path's (2 against 2 tokens, or other ids); "
+        "distillation needs the policy's own")
+    model_folder("same", {"a": 0, "b": 1})
+    assert main(check(f"model.path={policy}", "teacher.model=same")) == 0

@@ -329,7 +329,8 @@ def test_sft_command_writes_a_loadable_model_and_its_record(tmp_path):
 
 
 def test_before_run_auto_is_on_where_there_is_something_to_tune_on(tmp_path):
-    assert build_settings({}).sft_before_run and build_settings(CHAIN).sft_before_run
+    assert not build_settings({}).sft_before_run and build_settings(CHAIN).sft_before_run  # arithmetic: off
+    assert build_settings({}, ["sft.data=sampled"]).sft_before_run
     assert build_settings({}, ["task.name=calculator"]).sft_before_run
     assert build_settings({}, ["task.name=functions"]).sft_before_run
     assert not build_settings({}, ["task.name=code"]).sft_before_run  # a CodeI/O warm start was not measured
@@ -354,8 +355,9 @@ def test_run_checks_the_cold_start_before_it_starts(tmp_path):
     assert checked.returncode == 2 and "has no reference replies" in checked.stderr  # check says it too
     (tmp_path / "left" / "sft").mkdir(parents=True)
     (tmp_path / "left" / "sft" / "steps.jsonl").write_text("")  # a cold start that was stopped
-    done = subprocess.run([sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"),
-                           "--out", str(tmp_path / "left")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = subprocess.run([sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"), "--set",
+                           "sft.before_run=on", "--out", str(tmp_path / "left")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 2 and "already holds a run (steps.jsonl)" in done.stderr
     assert not (tmp_path / "r").exists()
 

@@ -427,3 +427,25 @@ async def test_chat_rows_with_columns_and_a_weighted_reward_from_settings(tmp_pa
     assert all(r["reward"] == pytest.approx(r["rewards"]["answer"] + 0.5 * r["rewards"]["brevity"]) for r in trained)
     assert trained[0]["prompt"][0] == system
     assert all("reward/brevity" in row for row in summary["eval_curve"])
+
+
+class TeacherTrainer(FakeTrainer):
+    """Answers each Train as a trainer with a teacher does: each sequence's reverse KL in a list."""
+
+    async def _train(self, msg: wire.Train) -> None:
+        self._kls = [round(0.01 * (i + 1), 4) for i in range(len(msg.samples))]
+        await super()._train(msg)
+
+    def _stats(self, step: int, tokens: int) -> dict:
+        return {**super()._stats(step, tokens), "teacher_kl": 0.5, "teacher_kl_seq": self._kls}
+
+
+async def test_each_trained_sequences_teacher_kl_goes_to_its_samples_row_not_to_the_steps(tmp_path):
+    summary = await orchestrator(tmp_path, make_settings("sync", **{"run.max_steps": 2}),
+                                 trainer=TeacherTrainer()).run()
+    assert summary["steps"] == 2
+    rows = [orjson.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_bytes().splitlines()]
+    trained = [r for r in rows if r["kind"] == "train" and r["step"] is not None]
+    assert [r["teacher_kl"] for r in trained] == [0.01, 0.02, 0.03, 0.04] * 2
+    steps = [orjson.loads(x) for x in (tmp_path / "run" / "steps.jsonl").read_bytes().splitlines()]
+    assert all(r["teacher_kl"] == 0.5 and "teacher_kl_seq" not in r for r in steps)

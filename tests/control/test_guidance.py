@@ -18,7 +18,13 @@ def test_the_tag_guide_tags_the_first_correct_untagged_reply():
         "5 - 9 = -4\n<answer>-4</answer>"]
 
 
+def test_the_tag_guide_cuts_a_correct_reply_that_wrote_on_after_its_tag():
+    assert guidance.tag_guide(TASK, ["-4\n<answer>-4</answer>\n<output>x</output>", "-4"], [True, True]) == [
+        "-4\n<answer>-4</answer>"]
+
+
 @pytest.mark.parametrize(("replies", "passed"), [(["<answer>-4</answer>", "-4"], [True, True]),
+                                                 (["<answer>-4</answer> \n", "-3"], [True, False]),
                                                  (["-3", "5"], [False, False]), ([], [])])
 def test_the_tag_guide_writes_nothing_when_a_correct_reply_is_tagged_or_none_is_correct(replies, passed):
     assert guidance.tag_guide(TASK, replies, passed) == []
@@ -59,3 +65,4 @@ def test_what_a_guide_returns_is_checked():
     assert guidance.texts(lambda task, replies, passed: ["a", " "], TASK, [], []) == ["a"]
     with pytest.raises(TypeError, match="task.guide: the guide returned str"):
         guidance.texts(lambda task, replies, passed: "a", TASK, [], [])
+

@@ -84,6 +84,7 @@ class MicroBatch:
     adv: torch.Tensor
     padded: bool = False  # unshared: some row is shorter than L (known here, on the host)
     weight: torch.Tensor | None = None  # [T] each token's weight in the mini-batch's loss; None: 1 / its tokens
+    written: bool = False  # some sample holds tokens a guide wrote (their behav NaN: behav_from_prox)
 
     @property
     def tokens(self) -> int:
@@ -162,10 +163,10 @@ def _flat_targets(samples: list[wire.TrainSample], index: list[int], adv: torch.
 
 def behav_from_prox(mb: MicroBatch, prox: torch.Tensor) -> None:
     """A guided member's written tokens (behav NaN) take pi_prox as their behaviour log-prob, in
-    place: importance weight 1, so decoupled PPO trains them as the policy's own."""
-    written = torch.isnan(mb.behav)
-    if written.any():
-        mb.behav[written] = prox[written].to(mb.behav.dtype)
+    place: importance weight 1, so decoupled PPO trains them as the policy's own. Only in a
+    micro-batch that holds some (`mb.written`, known when it was built)."""
+    if mb.written:  # known on the host: no device read per micro-batch
+        mb.behav.copy_(torch.where(torch.isnan(mb.behav), prox.to(mb.behav.dtype), mb.behav))
 
 
 def _right_padded(rows: list[list[int]], fill: int) -> torch.Tensor:
@@ -190,7 +191,7 @@ def build_micro_batch(samples: list[wire.TrainSample], index: list[int], adv: to
     return MicroBatch(list(index), input_ids.to(device), attention_mask.to(device), None,
                       torch.tensor(gather, dtype=torch.long, device=device),
                       *_flat_targets(samples, index, adv, device),
-                      padded=any(len(r) < width for r in rows))
+                      padded=any(len(r) < width for r in rows), written=any(samples[i].written for i in index))
 
 
 def build_packed_micro_batch(samples: list[wire.TrainSample], groups: list[list[int]],
@@ -227,7 +228,7 @@ def build_packed_micro_batch(samples: list[wire.TrainSample], groups: list[list[
     flat = torch.tensor([r * width + c for r, c in gather], dtype=torch.long)
     return MicroBatch(index, input_ids.to(device), sees[:, None].to(device),
                       _right_padded(pos, 0).to(device), flat.to(device),
-                      *_flat_targets(samples, index, adv, device))
+                      *_flat_targets(samples, index, adv, device), written=any(samples[i].written for i in index))
 
 
 def plan_micro_batches(samples: list[wire.TrainSample], lo: int, hi: int, adv: torch.Tensor, *,

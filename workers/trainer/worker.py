@@ -122,6 +122,12 @@ TRAIN_STATS: dict[str, str] = {
     "seconds": "Wall seconds of the whole update in the trainer, publishing included.",
     "prox_s": "Seconds of the no-grad pi_prox passes of the mini-batches after the first (0 with one).",
     "publish_s": "Seconds publishing the new weights to the weight store.",
+    "teacher_kl": "Only with a teacher (teacher.model): mean reverse KL per trained token, log pi_prox - log "
+                  "pi_teacher at the tokens the policy sampled (k1: of either sign per token, its mean >= 0 "
+                  "in expectation); what distillation drives down.",
+    "teacher_logp": "Only with a teacher: mean log-prob per trained token under the teacher (at "
+                    "rollout.temperature).",
+    "teacher_s": "Only with a teacher: seconds of its no-grad passes over the step's micro-batches (each once).",
     "reduce_s": "Seconds in the gradient all-reduces of a data-parallel trainer, the wait for the slowest "
                 "rank included (0 with one rank; on a GPU the reduction is queued, so mostly that wait).",
 }
@@ -188,6 +194,42 @@ def _adamw(params: list[torch.Tensor], **kw: float) -> torch.optim.AdamW:
         return torch.optim.AdamW(params, **kw)
 
 
+def load_teacher(spec: str, tokenizer: Any, device: str, seed: int) -> Any:
+    """teacher.model, frozen in eval mode on `device`; ValueError (naming teacher.model) when its
+    tokenizer is not the policy's: its log-probs would score other tokens."""
+    teacher, its_tokenizer = load_model(spec, seed=seed, device=device)
+    if tokenizer is not None and its_tokenizer is not None and its_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"teacher.model: {spec!r} has another tokenizer than model.path's "
+                         f"({len(its_tokenizer.get_vocab())} against {len(tokenizer.get_vocab())} tokens, or "
+                         f"other ids); distillation needs the policy's own")
+    teacher.eval().requires_grad_(False)
+    teacher.config.use_cache = False
+    return teacher
+
+
+def _teacher_sums(samples: list[wire.TrainSample], mbs: list[MicroBatch], prox: dict[int, torch.Tensor],
+                  teacher: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's sums of the teacher's figures: its log-probs, the reverse KL, and each
+    sample's KL sum (`teacher_kl<i>`, summed over the ranks with the rest)."""
+    zero = torch.zeros((), dtype=torch.float64, device=next(iter(teacher.values())).device)
+    out = {"teacher_logp": zero.clone(), "teacher_kl": zero.clone(),
+           **{f"teacher_kl{i}": zero.clone() for i in range(len(samples))}}
+    for mb in mbs:
+        kl = (prox[id(mb)] - teacher[id(mb)]).double()
+        out["teacher_logp"] += teacher[id(mb)].double().sum()
+        out["teacher_kl"] += kl.sum()
+        for i, part in zip(mb.index, torch.split(kl, [trained_count(samples[i]) for i in mb.index]), strict=True):
+            out[f"teacher_kl{i}"] += part.sum()
+    return out
+
+
+def _teacher_stats(samples: list[wire.TrainSample], got: dict[str, float], tokens: int) -> dict[str, Any]:
+    per_seq = [got[f"teacher_kl{i}"] / max(trained_count(s), 1) for i, s in enumerate(samples)]
+    return {"teacher_kl": got["teacher_kl"] / tokens if tokens else 0.0,
+            "teacher_logp": got["teacher_logp"] / tokens if tokens else 0.0,
+            "teacher_kl_seq": per_seq}
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -247,7 +289,13 @@ class Trainer:
                                     "(the controller creates it before Init)")
         self.store = WeightStore(shm_dir)
         self.version = 0
-        self._fast_head = self._check_head()
+        self._fast_head = self._check_head(self.model)
+        # teacher.model: a frozen model scoring the sampled tokens (on-policy distillation)
+        self.distill = settings.teacher
+        self.teacher = self.teacher_fast = None
+        if settings.teacher.model:
+            self.teacher = load_teacher(settings.teacher.model, tokenizer, self.device, self.seed)
+            self.teacher_fast = self._check_head(self.teacher)
         share = self.cfg.share_prompts
         on_cpu = torch.device(self.device).type == "cpu"
         attention = getattr(self.model.config, "_attn_implementation", None)
@@ -310,18 +358,18 @@ class Trainer:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
             ~mask, torch.finfo(dtype).min)
 
-    def _check_head(self) -> bool:
-        """True when the logits are exactly lm_head(last hidden) (no bias, softcap or scaling),
-        so the chunked head (losses.token_logprobs) may replace the model's own."""
-        head = self.model.get_output_embeddings()
+    def _check_head(self, model: Any) -> bool:
+        """True when `model`'s logits are exactly lm_head(last hidden) (no bias, softcap or
+        scaling), so the chunked head (losses.token_logprobs) may replace the model's own."""
+        head = model.get_output_embeddings()
         if getattr(head, "bias", None) is not None or getattr(head, "weight", None) is None:
             return False
         ids = torch.tensor([[1, 2, 3, 4]], device=self.device)
         mb = MicroBatch([0], ids, torch.ones_like(ids), None, torch.arange(4, device=self.device),
                         ids[0], ids[0].float(), ids[0].float())
         with torch.no_grad():
-            fast, _ = self._forward(self.model, mb, fast=True)
-            full, _ = self._forward(self.model, mb, fast=False)
+            fast, _ = self._forward(model, mb, fast=True)
+            full, _ = self._forward(model, mb, fast=False)
         return bool(torch.allclose(fast, full, atol=HEAD_CHECK_ATOL))
 
     @torch.no_grad()
@@ -330,6 +378,23 @@ class Trainer:
         with self._autocast():
             logp, _ = self._forward(self.model if model is None else model, mb)
         return logp.float()
+
+    @torch.no_grad()
+    def teacher_logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """log pi_teacher(token) [T] of `mb`'s completion tokens, at the rollout's temperature."""
+        with self._autocast():
+            logp, _ = self._forward(self.teacher, mb, fast=self.teacher_fast)
+        return logp.float()
+
+    def _distill(self, mb: MicroBatch, prox: torch.Tensor, teacher: torch.Tensor) -> None:
+        """On-policy distillation: each token's advantage gains coef x (log pi_teacher - log
+        pi_prox), the negative per-token reverse KL at the token the policy sampled (in place,
+        once per micro-batch); teacher.keep_reward = false drops the task's advantage."""
+        signal = self.distill.coef * (teacher - prox).to(mb.adv.dtype)
+        if self.distill.keep_reward:
+            mb.adv.add_(signal)
+        else:
+            mb.adv.copy_(signal)
 
     def ref_logprobs(self, mb: MicroBatch) -> torch.Tensor:
         """log pi_ref(token) [T]: the frozen v0 (with LoRA: the base, the adapter turned off)."""
@@ -408,11 +473,17 @@ class Trainer:
                 if self.use_ref:
                     ref[id(mb)] = self.ref_logprobs(mb)
         prox_s = time.perf_counter() - t_prox
+        t_teacher = time.perf_counter()
+        teacher = {id(mb): self.teacher_logprobs(mb) for mini in mine for mb in mini
+                   if self.teacher is not None and mb.tokens}  # once each, before any step
+        teacher_s = time.perf_counter() - t_teacher
 
         def token_loss(k: int, mb: MicroBatch, logp: torch.Tensor) -> tuple:
             if k == 0 and not self.dropout:  # no step taken yet: this forward is pi_prox
                 prox[id(mb)] = logp.detach().float()
             behav_from_prox(mb, prox[id(mb)])  # a guided member's written tokens
+            if teacher:
+                self._distill(mb, prox[id(mb)], teacher[id(mb)])
             seq = None
             if objective == "gspo":  # each token's sequence: samples[mb.index] in target order
                 counts = torch.tensor([trained_count(samples[i]) for i in mb.index], device=logp.device)
@@ -428,8 +499,8 @@ class Trainer:
             return tok_loss, st, kl
 
         stats, reduce_s = self._descend(mine, totals, self.temperature, token_loss, cfg.entropy_coef)
-        out = self._summary(samples, mine, prox, stats, adv, rewards, objective)
-        out.update(prox_s=prox_s, reduce_s=reduce_s)
+        out = self._summary(samples, mine, prox, stats, adv, rewards, objective, teacher)
+        out.update(prox_s=prox_s, reduce_s=reduce_s, **({"teacher_s": teacher_s} if teacher else {}))
         if cfg.kl_coef <= 0:
             out.pop("kl")
         return out
@@ -541,9 +612,12 @@ class Trainer:
 
     def _summary(self, samples: list[wire.TrainSample], mine: list[list[MicroBatch]],
                  prox: dict[int, torch.Tensor], stats: _Stats, adv: torch.Tensor,
-                 rewards: torch.Tensor, objective: str) -> dict[str, Any]:
+                 rewards: torch.Tensor, objective: str,
+                 teacher: dict[int, torch.Tensor] | None = None) -> dict[str, Any]:
         """Plain-number stats of one update (orjson-ready): this rank's sums, minima and maxima
-        (`mine`: its micro-batches), totalled over the ranks and read off the device in one go."""
+        (`mine`: its micro-batches), totalled over the ranks and read off the device in one go;
+        with a teacher also `teacher_kl_seq`, each sample's mean reverse KL (a list, which the
+        controller moves into samples.jsonl)."""
         cfg = self.cfg
         mbs = [mb for mini in mine for mb in mini if mb.tokens]
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -565,7 +639,8 @@ class Trainer:
                 "entropy": stats.entropy, "clipped": stats.clipped, "ratio_sum": stats.ratio_sum,
                 "kl": stats.kl, "w_n": zero + w.numel(), "w_sum": w.sum(), "capped": capped.double().sum(),
                 "r_n": zero + r.numel(), "mismatch": (torch.expm1(r) - r).sum(), "mismatch_k1": -r.sum(),
-                **{f"loss{k}": v for k, v in enumerate(stats.loss)}}
+                **{f"loss{k}": v for k, v in enumerate(stats.loss)},
+                **(_teacher_sums(samples, mbs, prox, teacher) if teacher else {})}
         mins = {"ratio_min": stats.ratio_min, "w_min": zero + math.inf if empty else w.min()}
         maxs = {"ratio_max": stats.ratio_max, "w_max": zero - math.inf if empty else w.max(),
                 # the same on every rank (the norm of the summed gradients): max keeps it
@@ -593,6 +668,7 @@ class Trainer:
             "reward_mean": float(rewards.mean()),
             "adv_abs_mean": float(adv.abs().mean()),
             "skipped": stats.skipped,
+            **(_teacher_stats(samples, got, n) if teacher else {}),
         }
 
     # ---- keeping the run (workers/trainer/checkpoint.py) -----------------------------------------

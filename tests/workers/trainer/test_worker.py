@@ -626,3 +626,55 @@ def test_more_written_tokens_than_completion_tokens_are_refused(tmp_path, batch)
     bad = dataclasses.replace(batch[0], written=len(batch[0].completion_ids) + 1)
     with pytest.raises(ValueError, match="written tokens"):
         make_trainer(tmp_path).train(wire.Train(step=0, version=0, samples=[*batch, bad]))
+
+
+@pytest.fixture(scope="module")
+def other_teacher(tmp_path_factory) -> Path:
+    """A tiny-random model folder of other weights than the policy's (seed SEED + 1), the
+    policy's tokenizer beside them."""
+    folder = tmp_path_factory.mktemp("teacher")
+    model, tok = load_model(TINY, seed=SEED + 1)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_a_teacher_that_is_the_policy_adds_nothing(tmp_path, batch) -> None:
+    """teacher.model = the policy's own weights: the reverse KL is 0 at every token, so the
+    update is the plain one, and the stats say so."""
+    plain = make_trainer(tmp_path / "plain")
+    plain.train(wire.Train(step=0, version=0, samples=batch))
+    same = make_trainer(tmp_path / "same", f"teacher.model={TINY}")
+    st = same.train(wire.Train(step=0, version=0, samples=batch)).stats
+    assert abs(st["teacher_kl"]) < 1e-5 and st["teacher_logp"] < 0 and st["teacher_s"] > 0
+    assert len(st["teacher_kl_seq"]) == len(batch) and max(map(abs, st["teacher_kl_seq"])) < 1e-5
+    for name, value in plain.model.state_dict().items():
+        torch.testing.assert_close(same.model.state_dict()[name], value, atol=1e-6, rtol=1e-4)
+
+
+def test_distillation_alone_moves_the_policy_toward_the_teacher(tmp_path, batch, other_teacher) -> None:
+    """teacher.keep_reward = false with rewards all equal (no task advantage): the KL term alone
+    trains, and the reverse KL to the teacher on the sampled tokens falls step after step; the
+    per-sequence figures average to the step's."""
+    flat = [dataclasses.replace(s, reward=1.0) for s in batch]
+    trainer = make_trainer(tmp_path, f"teacher.model={other_teacher}", "teacher.keep_reward=false",
+                           "trainer.lr=1e-3")
+    kls = []
+    for step in range(4):
+        st = trainer.train(wire.Train(step=step, version=step, samples=flat)).stats
+        kls.append(st["teacher_kl"])
+        tokens = [len(s.completion_ids) for s in flat]
+        assert st["teacher_kl"] == pytest.approx(
+            sum(k * n for k, n in zip(st["teacher_kl_seq"], tokens, strict=True)) / sum(tokens), rel=1e-6)
+    assert kls[0] > 0.05 and kls[-1] < 0.8 * kls[0] and all(b < a for a, b in zip(kls, kls[1:], strict=False))
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(batch) -> None:
+    from areal_aio.workers.trainer.worker import load_teacher
+
+    class Other:
+        def get_vocab(self):
+            return {"a": 0}
+
+    with pytest.raises(ValueError, match="teacher.model: .* another tokenizer"):
+        load_teacher(TINY, Other(), "cpu", SEED)
