@@ -369,8 +369,8 @@ def test_run_tunes_first_then_trains_rl_from_the_tuned_model(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"), "--out", str(out),
-         "--set", "model.path=embedded:tiny-random", "--set", "sft.steps=2", "--set", "sft.batch_size=4",
-         "--set", "run.max_steps=2", "--set", "rollout.group_size=4", "--set", "trainer.batch_size=8",
+         "--set", "model.path=embedded:tiny-random", "--set", "sft.before_run=on", "--set", "sft.steps=2",
+         "--set", "sft.batch_size=4", "--set", "run.max_steps=2", "--set", "rollout.group_size=4", "--set", "trainer.batch_size=8",
          "--set", "rollout.max_new_tokens=8", "--set", "task.eval_size=4", "--set", "trainer.bf16=off",
          "--set", "controller.reward_procs=0", "--set", "run.progress=false"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
@@ -409,7 +409,8 @@ def test_sigterm_during_the_cold_start_stops_cleanly(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "areal_aio", "run", str(ROOT / "settings.toml"), "--out", str(out),
-         "--set", "model.path=embedded:tiny-random", "--set", "sft.steps=500", "--set", "sft.batch_size=4",
+         "--set", "model.path=embedded:tiny-random", "--set", "sft.before_run=on", "--set", "sft.steps=500",
+         "--set", "sft.batch_size=4",
          "--set", "trainer.bf16=off", "--set", "run.progress=false"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     steps = out / "sft" / "steps.jsonl"
