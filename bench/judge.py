@@ -7,12 +7,14 @@ loop's trajectories per second with a judge against the built-in answer reward.
 1. Verdicts: --calls judge calls (the default rubric, a held-out arithmetic prompt and a reply
    each) to a local judge (control/judging.py: a rollout worker of its own on --model, one
    thread), all asked at once, judge.max_concurrent = each of --concurrent: verdicts/s = calls /
-   wall seconds, the worker's start not counted.
+   wall seconds, the worker's start and WARM_UP verdicts before them not counted.
 2. The loop: the Orchestrator against an instant fake rollout worker and a fake trainer (no
    policy model: scoring is what differs), the default batch (32 samples, groups of 8) for
-   --steps steps, task.reward = "answer" against "judge" (the same local judge, its default
-   max_concurrent): trajectories/s = the samples of steps 2..N / the wall seconds between the
-   commits of step 1 and step N (the judge worker's start, inside the run, not counted).
+   --steps steps in sync mode (each step's samples are generated and scored after the last
+   step, so none is scored ahead of the steps counted), task.reward = "answer" against "judge"
+   (the same local judge, its default max_concurrent): trajectories/s = the samples of steps
+   2..N / the wall seconds between the commits of step 1 and step N (the judge worker's start,
+   inside the run, not counted).
 
 --quick: tiny-random as the judge, 8 calls, 3 steps.
 """
@@ -40,10 +42,13 @@ from areal_aio.tasks.arithmetic import arithmetic_tasks  # noqa: E402
 from bench.common import fmt, parse_list, print_table, run_loop, write_json  # noqa: E402
 
 MODEL = "embedded:smollm2-135m-instruct"
+WARM_UP = 8
+"""Verdicts asked, untimed, before the timed ones: a fresh worker's first forward passes pay
+one-time costs (kernel selection, allocator growth) that a run pays once."""
 
 
 def settings_for(model: str, reward: str, steps: int, concurrent: int = 8) -> Settings:
-    return build_settings({}, [f"task.reward={reward}", f"judge.model={model}", f"judge.max_concurrent={concurrent}",
+    return build_settings({}, ["run.mode=sync", f"task.reward={reward}", f"judge.model={model}", f"judge.max_concurrent={concurrent}",
                                f"run.max_steps={steps}", "run.progress=false", "task.eval_size=1",
                                "task.eval_every=1000", "run.checkpoint_every=0", "controller.reward_procs=0",
                                "model.path=embedded:tiny-random"])
@@ -56,6 +61,7 @@ async def verdicts_per_s(model: str, calls: int, concurrent: int, folder: Path) 
     async with judging.serving(settings, reward, folder / f"judge-{concurrent}.log") as reader:
         read = asyncio.ensure_future(reader)
         try:
+            await asyncio.gather(*(reward.fn(t, f"{t.answer}") for t in tasks[:WARM_UP]))  # first batches: kernels, caches
             t0 = time.perf_counter()
             scores = await asyncio.gather(*(reward.fn(t, f"{t.answer}") for t in tasks))
             wall = time.perf_counter() - t0
