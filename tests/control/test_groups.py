@@ -189,15 +189,22 @@ async def test_a_reference_guide_gives_a_group_that_failed_the_worked_answer(tmp
     assert [s.score.passed for s in group.samples] == [False, False, True] and group.samples[-1].written == 2
 
 
-async def test_a_guided_member_whose_ids_do_not_extend_the_prompt_is_left_out(tmp_path):
-    """The written reply re-tokenized differently at the seam (its ids do not begin with the
-    prompt's as sampled): no member, the group trains as sampled."""
+async def guiding(tmp_path) -> Harness:
+    """A tag-guided group 0 of one correct untagged reply and one wrong one, its guided member
+    sent to be tokenized and not yet answered."""
     h = Harness(tmp_path, **{"task.guide": "tag"})
     task = next(tasks(1))
     await h.groups.admit(0, task)
     h.answer("g0.0", task.answer)
     h.answer("g0.1", "-1")
     await asyncio.sleep(0)
+    return h
+
+
+async def test_a_guided_member_whose_ids_do_not_extend_the_prompt_is_left_out(tmp_path):
+    """The written reply re-tokenized differently at the seam (its ids do not begin with the
+    prompt's as sampled): no member, the group trains as sampled."""
+    h = await guiding(tmp_path)
     h.groups.completed(wire.Completion("g0.w2", [9, 7], [], [], [], "", "length", 0, 0.0), h.share)
     await settled(h)
     [group] = h.replay.groups()
@@ -205,12 +212,8 @@ async def test_a_guided_member_whose_ids_do_not_extend_the_prompt_is_left_out(tm
 
 
 async def test_a_dropped_or_closed_group_waits_for_no_guided_member(tmp_path):
-    h = Harness(tmp_path, **{"task.guide": "tag"})
-    task = next(tasks(1))
-    await h.groups.admit(0, task)
-    h.answer("g0.0", task.answer)
-    h.answer("g0.1", "-1")
-    await asyncio.sleep(0)
+    h = await guiding(tmp_path)
+    assert h.sent[-1][0].request_id == "g0.w2"
     h.groups.close()
     await asyncio.gather(*h.spawned, return_exceptions=True)
     assert all(t.done() for t in h.spawned) and not h.replay
