@@ -333,9 +333,9 @@ def check_judge(settings: Settings) -> None:
         raise PreflightError(f"judge.url: {j.url!r} is not an http(s) URL")
     if j.key_env and not os.environ.get(j.key_env):
         raise PreflightError(f"judge.key_env: the environment variable {j.key_env} is not set")
-    request = urllib.request.Request(f"{j.url.rstrip('/')}/models")
-    if j.key_env:
-        request.add_header("Authorization", f"Bearer {os.environ[j.key_env]}")
+    from areal_aio.rewards.judge import key_header
+
+    request = urllib.request.Request(f"{j.url.rstrip('/')}/models", headers=key_header(j.key_env))
     try:
         urllib.request.urlopen(request, timeout=HUB_PROBE_TIMEOUT_S).close()
     except urllib.error.HTTPError as exc:

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 from areal_aio import wire
 from areal_aio.agents import episodes
 from areal_aio.control import guidance, stats
+from areal_aio.control.awaited import Awaited
 from areal_aio.control.replay import Group, ReplayBuffer
 from areal_aio.control.staleness import Admission
 from areal_aio.rewards.scoring import Score, Scorer, overlong_penalty, shaped
@@ -143,7 +144,7 @@ class Groups:
         self._process = process
         self.episode = episode
         self.guide = guide
-        self._written: dict[str, asyncio.Future] = {}  # a guided member's text being tokenized, by request id
+        self._written = Awaited()  # guided members' texts being tokenized
         self._send = send
         self._send_one = send_one
         self._spawn = spawn
@@ -197,9 +198,7 @@ class Groups:
 
     def completed(self, msg: wire.Completion, share: stats.WorkerShare) -> None:
         """A training request's Completion (what evals and continuations left), from `share`'s worker."""
-        if (tokenized := self._written.pop(msg.request_id, None)) is not None:
-            if not tokenized.done():
-                tokenized.set_result(msg)
+        if self._written.deliver(msg):
             return
         sample = self.requests.pop(msg.request_id, None)
         if sample is None:
@@ -230,8 +229,7 @@ class Groups:
         """No more training rollouts: Completions from now on are ignored, every episode is
         cancelled (the caller aborts what is still in `requests`)."""
         self.closing = True
-        for future in self._written.values():
-            future.cancel()
+        self._written.cancel()
         for group in self.pending.values():
             for task in group.episodes:
                 task.cancel()
@@ -392,13 +390,13 @@ class Groups:
         worker (a Generate with no room to generate: its Completion holds the ids and nothing
         sampled); None where the ids do not begin with the prompt's as they were sampled."""
         rid = f"g{gid}.w{index}"
-        future = self._written[rid] = asyncio.get_running_loop().create_future()
+        future = self._written.expect(rid)
         await self._send_one(wire.Generate(rid, group.task.text, 1, 0.0, 1.0, None, group.task.messages,
                                            prefix=text, max_context=1))
         try:
             msg = await future
         finally:
-            self._written.pop(rid, None)
+            self._written.forget(rid)
         prompt = group.samples[0].completion.prompt_ids
         if msg.prompt_ids[:len(prompt)] != prompt or len(msg.prompt_ids) == len(prompt):
             return None

@@ -13,7 +13,6 @@ the worker is stopped and calls still waiting are cancelled.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_aio import wire
+from areal_aio.control.awaited import Awaited
 from areal_aio.fleet.client import PipeWorker, WorkerClient
 from areal_aio.rewards.judge import Judge
 from areal_aio.rewards.scoring import Reward
@@ -52,17 +52,17 @@ class JudgeWorker:
 
     def __init__(self, worker: WorkerClient) -> None:
         self.worker = worker
-        self._calls: dict[str, asyncio.Future] = {}
+        self._calls = Awaited()
         self._ids = itertools.count()
 
     async def complete(self, messages: list[dict[str, str]], max_tokens: int) -> str:
         rid = f"judge-{next(self._ids)}"
-        future = self._calls[rid] = asyncio.get_running_loop().create_future()
+        future = self._calls.expect(rid)
         try:
             await self.worker.send(wire.Generate(rid, messages[-1]["content"], max_tokens, 0.0, 1.0, 0, messages))
             return (await future).text
         finally:
-            if self._calls.pop(rid, None) is not None and not future.done():
+            if self._calls.forget(rid):
                 with contextlib.suppress(Exception):
                     await self.worker.send(wire.Abort(rid))  # given up (a timeout): free its slot
 
@@ -72,13 +72,10 @@ class JudgeWorker:
             msg = await self.worker.recv()
             if not isinstance(msg, wire.Completion):
                 raise self.worker.failure(msg)
-            future = self._calls.get(msg.request_id)
-            if future is not None and not future.done():
-                future.set_result(msg)
+            self._calls.deliver(msg)
 
     def cancel(self) -> None:
-        for future in self._calls.values():
-            future.cancel()
+        self._calls.cancel()
 
 
 @contextlib.asynccontextmanager

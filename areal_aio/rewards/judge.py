@@ -11,7 +11,7 @@ does not parse scores 0 and is counted (Score.failed: reward_failures), and the 
 kept (`record`: the run's events.jsonl, judge_unparsed).
 
 Where the verdicts come from is a port, `complete(messages, max_tokens) -> str`:
-  * judge.url: `http_complete`, POST <url>/chat/completions (greedy, non-streaming), here;
+  * judge.url: `http_complete`, POST <url>/chat/completions (greedy, non-streaming, urllib in a thread), here;
   * a local judge.model: the controller serves it with a rollout worker of its own
     (control/judging.py) and binds its port with `bind`.
 """
@@ -21,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import urllib.error
 import urllib.parse
+import urllib.request
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -39,7 +41,8 @@ FAIL_WORDS = ("fail", "no", "incorrect", "wrong", "false")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 FIRST_WORD = re.compile(r"[A-Za-z]+")
 HTTP_TIMEOUT_S = 60.0
-"""The most one HTTP exchange may take (the scorer's reward timeout is usually the tighter bound)."""
+"""The most one HTTP exchange may take, socket timeout (the scorer's reward timeout is usually the
+tighter bound; a call it gave up ends in its thread by this one)."""
 
 
 class JudgeUnbound(RuntimeError):
@@ -105,55 +108,33 @@ class Judge:
         return Score(value, value >= 0.5)
 
 
+def key_header(key_env: str) -> dict[str, str]:
+    """The Authorization header of judge.key_env's key ({} without one)."""
+    key = os.environ.get(key_env) if key_env else None
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def http_complete(url: str, model: str, key_env: str = "") -> Complete:
     """The port of an OpenAI-compatible server at base URL `url` (http or https): a greedy,
-    non-streaming chat completion per call, its first choice's content."""
+    non-streaming chat completion per call, its first choice's content. Each call is one
+    urllib request in a thread of its own (the loop never waits on the socket)."""
     base = urllib.parse.urlsplit(url.rstrip("/"))
     if base.scheme not in ("http", "https") or not base.hostname:
         raise ValueError(f"judge.url: {url!r} is not an http(s) URL")
+    endpoint = f"{url.rstrip('/')}/chat/completions"
+
+    def post(body: bytes) -> bytes:
+        request = urllib.request.Request(endpoint, body, {"Content-Type": "application/json", **key_header(key_env)})
+        try:
+            with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as reply:
+                return reply.read()
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"judge.url answered HTTP {exc.code}: {exc.read()[:200]!r}") from None
 
     async def complete(messages: list[dict[str, str]], max_tokens: int) -> str:
         body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
                 **({"model": model} if model else {})}
-        headers = {"Authorization": f"Bearer {os.environ[key_env]}"} if key_env and os.environ.get(key_env) else {}
-        status, reply = await asyncio.wait_for(
-            request(base, "POST", "/chat/completions", orjson.dumps(body), headers), HTTP_TIMEOUT_S)
-        if status != 200:
-            raise RuntimeError(f"judge.url answered HTTP {status}: {reply[:200]!r}")
-        content = orjson.loads(reply)["choices"][0]["message"]["content"]
+        content = orjson.loads(await asyncio.to_thread(post, orjson.dumps(body)))["choices"][0]["message"]["content"]
         return content if isinstance(content, str) else ""
 
     return complete
-
-
-async def request(base: urllib.parse.SplitResult, method: str, path: str, body: bytes = b"",
-                  headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    """One HTTP/1.1 exchange on a connection of its own: (status, body). The body is read by
-    Content-Length, chunked transfer or to the connection's close."""
-    tls = base.scheme == "https"
-    reader, writer = await asyncio.open_connection(base.hostname, base.port or (443 if tls else 80),
-                                                   ssl=True if tls else None)
-    try:
-        head = [f"{method} {base.path}{path} HTTP/1.1", f"Host: {base.netloc}", "Connection: close",
-                "Accept: application/json", *(f"{k}: {v}" for k, v in (headers or {}).items())]
-        if body:
-            head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
-        await writer.drain()
-        status = int((await reader.readline()).split()[1])
-        fields = {}
-        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-            name, _, value = line.decode("latin-1").partition(":")
-            fields[name.strip().lower()] = value.strip()
-        if "content-length" in fields:
-            return status, await reader.readexactly(int(fields["content-length"]))
-        if fields.get("transfer-encoding", "").lower() == "chunked":
-            chunks = []
-            while size := int((await reader.readline()).split(b";")[0], 16):
-                chunks.append(await reader.readexactly(size))
-                await reader.readline()
-            return status, b"".join(chunks)
-        return status, await reader.read()
-    finally:
-        writer.close()
-

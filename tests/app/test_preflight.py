@@ -343,3 +343,16 @@ def test_a_teacher_is_checked_before_anything_starts(files, capsys):
         "distillation needs the policy's own")
     model_folder("same", {"a": 0, "b": 1})
     assert main(check(f"model.path={policy}", "teacher.model=same")) == 0
+
+
+def test_a_judge_is_checked_before_anything_starts(files, capsys, monkeypatch):
+    """task.reward = judge: no url nor model, an unset key variable, an unreachable url: one line each."""
+    assert main(check("task.reward=judge")) == 2
+    assert 'task.reward: "judge" needs judge.url' in capsys.readouterr().err.splitlines()[-1]
+    monkeypatch.delenv("JUDGE_KEY_UNSET", raising=False)
+    assert main(check("task.reward=judge", "judge.url=http://127.0.0.1:9/v1", "judge.key_env=JUDGE_KEY_UNSET")) == 2
+    assert "judge.key_env: the environment variable JUDGE_KEY_UNSET is not set" in capsys.readouterr().err
+    assert main(check("task.reward=judge", "judge.url=http://127.0.0.1:9/v1")) == 2
+    assert "judge.url: http://127.0.0.1:9/v1 cannot be reached" in capsys.readouterr().err.splitlines()[-1]
+    assert main(check("task.reward=judge", "judge.model=no/such/folder")) == 2
+    assert "judge.model: no such folder 'no/such/folder'" in capsys.readouterr().err.splitlines()[-1]

@@ -172,6 +172,7 @@ async def test_a_slow_judge_delays_its_own_groups_never_the_loop(tmp_path):
     rows = [orjson.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_bytes().splitlines()]
     assert all(r["reward"] == 1.0 for r in rows if r["kind"] == "train" and r["step"] is not None)
     assert len(server.bodies) >= summary["samples_generated"]
+    assert server.peak == 2  # the verdicts overlapped each other, at most judge.max_concurrent at once
     bad = Server("perhaps")
     async with bad.serving() as url:
         settings = make_settings("sync", **{"task.reward": "judge", "judge.url": url, "run.max_steps": 2})
